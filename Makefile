@@ -1,0 +1,42 @@
+# Every target builds what it needs into its own virtual environment (.venv).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+OUT    ?= out
+
+.PHONY: help venv test test-fast demo bench bench-quick gpu-check clean
+
+help:
+	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
+	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU), writes $(OUT)/"
+	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
+	@echo "make bench-quick - the two ~1M-parameter benchmark models only (< 3 minutes)"
+	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/demo_fp16.py --out $(OUT)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py --out benchmarks/results
+
+bench-quick: $(STAMP)
+	$(PY) benchmarks/bench.py --quick --out benchmarks/results
+
+# Runs on a GPU machine with what is installed there (no network, no venv).
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache $(OUT)

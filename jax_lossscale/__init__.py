@@ -1,0 +1,33 @@
+"""jax_lossscale: PyTorch-exact dynamic loss scaling for JAX and Optax."""
+
+from jax_lossscale._numerics import all_finite as all_finite
+from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
+from jax_lossscale._numerics import scale_product as scale_product
+from jax_lossscale._numerics import unscale_and_check as unscale_and_check
+from jax_lossscale._rule import update_scale as update_scale
+from jax_lossscale._state import DynamicScaleConfig as DynamicScaleConfig
+from jax_lossscale._state import DynamicScaleState as DynamicScaleState
+from jax_lossscale._transform import LossScaleState as LossScaleState
+from jax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
+from jax_lossscale._transform import get_scale_state as get_scale_state
+from jax_lossscale._transform import no_loss_scale as no_loss_scale
+from jax_lossscale._transform import scale_loss as scale_loss
+from jax_lossscale._transform import static_loss_scale as static_loss_scale
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicScaleConfig",
+    "DynamicScaleState",
+    "LossScaleState",
+    "all_finite",
+    "dynamic_loss_scale",
+    "fp16_roundtrip",
+    "get_scale_state",
+    "no_loss_scale",
+    "scale_loss",
+    "scale_product",
+    "static_loss_scale",
+    "unscale_and_check",
+    "update_scale",
+)

@@ -1,0 +1,211 @@
+"""The loss-scale configuration and the `DynamicScaleState` pytree."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_F32 = np.finfo(np.float32)
+#: Smallest normal float32 (2**-126): the default floor of the scale.
+MIN_NORMAL_F32 = float(_F32.tiny)
+#: Largest finite float32: the default ceiling of the scale.
+MAX_F32 = float(_F32.max)
+
+
+def _check_positive_finite(name: str, value: Any) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+    raise ValueError(f"{name} must be a Python or NumPy real number, got {value!r}.")
+  value = float(value)
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{name} must be positive and finite, got {value!r}.")
+  return value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+  value = int(value)
+  if value < minimum or value > np.iinfo(np.int32).max:
+    raise ValueError(
+        f"{name} must be an integer in [{minimum}, 2**31 - 1], got {value!r}."
+    )
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicScaleConfig:
+  """Static, validated configuration of a loss scaler (hashable, never traced).
+
+  The defaults are those of ``torch.amp.GradScaler``. Construction validates
+  every argument and raises ``ValueError`` naming the argument at fault.
+
+  Attributes:
+    init_scale: the scale of the first step (rounded to float32, like torch).
+    growth_factor: factor applied after ``growth_interval`` clean steps; > 1.
+    backoff_factor: factor applied on overflow; in (0, 1).
+    growth_interval: number of consecutive clean steps before growing; >= 1.
+    min_scale: floor of the scale; >= the smallest normal float32 (2**-126),
+      so the scale never becomes subnormal or 0.
+    max_scale: ceiling of the scale. Growth beyond it is capped at it; growth
+      that would overflow float32 is blocked (the scale is kept), as in torch.
+    hysteresis: as Megatron-LM's ``hysteresis``: the number of overflows
+      tolerated (step skipped, scale kept) before the scale backs off; the
+      budget is refilled at every growth interval. 1 (the default) is torch.
+    dynamic: ``False`` keeps the scale fixed at ``init_scale`` (static loss
+      scaling); overflowing steps are still skipped and counted.
+  """
+
+  init_scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+  min_scale: float = MIN_NORMAL_F32
+  max_scale: float = MAX_F32
+  hysteresis: int = 1
+  dynamic: bool = True
+
+  def __post_init__(self):
+    set_ = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
+    init_scale = _check_positive_finite("init_scale", self.init_scale)
+    if float(np.float32(init_scale)) == 0.0 or math.isinf(np.float32(init_scale)):
+      raise ValueError(f"init_scale must be representable in float32, got {init_scale!r}.")
+    set_("init_scale", init_scale)
+    growth = _check_positive_finite("growth_factor", self.growth_factor)
+    if growth <= 1.0:
+      raise ValueError(f"growth_factor must be > 1, got {growth!r}.")
+    set_("growth_factor", growth)
+    backoff = _check_positive_finite("backoff_factor", self.backoff_factor)
+    if backoff >= 1.0:
+      raise ValueError(f"backoff_factor must be in (0, 1), got {backoff!r}.")
+    set_("backoff_factor", backoff)
+    set_("growth_interval", _check_int("growth_interval", self.growth_interval, 1))
+    set_("hysteresis", _check_int("hysteresis", self.hysteresis, 1))
+    min_scale = _check_positive_finite("min_scale", self.min_scale)
+    if min_scale < MIN_NORMAL_F32:
+      raise ValueError(
+          "min_scale must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
+          f"so that the scale never becomes subnormal, got {min_scale!r}."
+      )
+    max_scale = _check_positive_finite("max_scale", self.max_scale)
+    if max_scale > MAX_F32:
+      raise ValueError(f"max_scale must be <= the largest float32, got {max_scale!r}.")
+    # Bounds are stored as the float32 values they compare against.
+    min_scale, max_scale = float(np.float32(min_scale)), float(np.float32(max_scale))
+    if min_scale > max_scale:
+      raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r}).")
+    if not min_scale <= float(np.float32(init_scale)) <= max_scale:
+      raise ValueError(
+          f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = "
+          f"[{min_scale!r}, {max_scale!r}]."
+      )
+    set_("min_scale", min_scale)
+    set_("max_scale", max_scale)
+    if not isinstance(self.dynamic, (bool, np.bool_)):
+      raise ValueError(f"dynamic must be a bool, got {self.dynamic!r}.")
+    set_("dynamic", bool(self.dynamic))
+
+
+_DATA_FIELDS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "skipped_steps",
+    "consecutive_skips",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicScaleState:
+  """The state of a loss scaler: a pytree of scalar arrays plus static config.
+
+  Create it with :meth:`DynamicScaleState.create`; advance it with
+  :func:`jax_lossscale.update_scale`. It is immutable (use ``.replace``), its
+  leaves are arrays only (``float32`` and ``int32`` scalars, never weak-typed
+  Python numbers) and its :class:`DynamicScaleConfig` is static pytree
+  metadata: it survives ``jit``, ``vmap``, ``tree_map`` and checkpoint
+  round-trips, and changing it retraces rather than silently reading stale
+  values.
+
+  Attributes:
+    scale: float32[] current loss scale.
+    growth_tracker: int32[] consecutive clean steps since the last growth or
+      overflow (torch's ``_growth_tracker``).
+    hysteresis_tracker: int32[] overflows still tolerated before backing off.
+    skipped_steps: int32[] total number of skipped (non-finite) steps.
+    consecutive_skips: int32[] skipped steps in a row (0 after a clean step).
+    config: the static :class:`DynamicScaleConfig`.
+
+  Examples:
+    >>> import jax_lossscale as jls
+    >>> state = jls.DynamicScaleState.create(init_scale=8.0, growth_interval=2)
+    >>> state.scale, state.growth_tracker
+    (Array(8., dtype=float32), Array(0, dtype=int32))
+  """
+
+  scale: jax.Array
+  growth_tracker: jax.Array
+  hysteresis_tracker: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  config: DynamicScaleConfig = dataclasses.field(default_factory=DynamicScaleConfig)
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      init_scale: float = 2.0**16,
+      growth_factor: float = 2.0,
+      backoff_factor: float = 0.5,
+      growth_interval: int = 2000,
+      min_scale: float = MIN_NORMAL_F32,
+      max_scale: float = MAX_F32,
+      hysteresis: int = 1,
+      dynamic: bool = True,
+  ) -> "DynamicScaleState":
+    """Validates the configuration and returns the initial state.
+
+    Arguments are those of :class:`DynamicScaleConfig` (torch's defaults).
+
+    Raises:
+      ValueError: naming the argument, for any invalid value.
+    """
+    config = DynamicScaleConfig(
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+        dynamic=dynamic,
+    )
+    return cls.from_config(config)
+
+  @classmethod
+  def from_config(cls, config: DynamicScaleConfig) -> "DynamicScaleState":
+    """The initial state for an already validated ``config``."""
+    if not isinstance(config, DynamicScaleConfig):
+      raise ValueError(f"config must be a DynamicScaleConfig, got {type(config).__name__}.")
+    zero = jnp.zeros([], jnp.int32)
+    return cls(
+        scale=jnp.asarray(np.float32(config.init_scale), jnp.float32),
+        growth_tracker=zero,
+        hysteresis_tracker=jnp.asarray(config.hysteresis, jnp.int32),
+        skipped_steps=zero,
+        consecutive_skips=zero,
+        config=config,
+    )
+
+  def replace(self, **changes: Any) -> "DynamicScaleState":
+    """A copy with the given fields replaced."""
+    return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    DynamicScaleState, data_fields=list(_DATA_FIELDS), meta_fields=["config"]
+)
