@@ -1,5 +1,9 @@
 """jax_lossscale: PyTorch-exact dynamic loss scaling for JAX and Optax."""
 
+from jax_lossscale._checkpoint import check_scale_config as check_scale_config
+from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
+from jax_lossscale._guard import LossScaleError as LossScaleError
+from jax_lossscale._guard import check_skips as check_skips
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
 from jax_lossscale._numerics import scale_product as scale_product
@@ -19,12 +23,16 @@ __version__ = "0.1.0"
 __all__ = (
     "DynamicScaleConfig",
     "DynamicScaleState",
+    "LossScaleError",
     "LossScaleState",
     "all_finite",
+    "check_scale_config",
+    "check_skips",
     "dynamic_loss_scale",
     "fp16_roundtrip",
     "get_scale_state",
     "no_loss_scale",
+    "scale_config_metadata",
     "scale_loss",
     "scale_product",
     "static_loss_scale",
