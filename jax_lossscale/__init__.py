@@ -4,6 +4,8 @@ from jax_lossscale._checkpoint import check_scale_config as check_scale_config
 from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
 from jax_lossscale._guard import LossScaleError as LossScaleError
 from jax_lossscale._guard import check_skips as check_skips
+from jax_lossscale._metrics import metrics as metrics
+from jax_lossscale._metrics import nonfinite_leaves as nonfinite_leaves
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
 from jax_lossscale._numerics import scale_product as scale_product
@@ -17,6 +19,8 @@ from jax_lossscale._transform import get_scale_state as get_scale_state
 from jax_lossscale._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._transform import scale_loss as scale_loss
 from jax_lossscale._transform import static_loss_scale as static_loss_scale
+from jax_lossscale._torch_interop import from_torch_state_dict as from_torch_state_dict
+from jax_lossscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 
 __version__ = "0.1.0"
 
@@ -30,12 +34,16 @@ __all__ = (
     "check_skips",
     "dynamic_loss_scale",
     "fp16_roundtrip",
+    "from_torch_state_dict",
     "get_scale_state",
+    "metrics",
     "no_loss_scale",
+    "nonfinite_leaves",
     "scale_config_metadata",
     "scale_loss",
     "scale_product",
     "static_loss_scale",
+    "to_torch_state_dict",
     "unscale_and_check",
     "update_scale",
 )

@@ -1,0 +1,294 @@
+"""Flax integration: a ``TrainState`` carrying the scaler, and a scaled ``value_and_grad``.
+
+Two ways to use loss scaling with Flax:
+
+* **Scaler inside the optimizer** (linen and NNX): build the optimizer with
+  :func:`jax_lossscale.dynamic_loss_scale` and use Flax's stock
+  ``TrainState`` or ``nnx.Optimizer`` unchanged; multiply the loss with
+  ``jax_lossscale.scale_loss(loss, state)`` and hand the (scaled) gradients to
+  ``apply_gradients`` / ``update``. Nothing from this module is needed.
+* **Scaler as a TrainState field** (this module, the pattern of Flax's
+  ``DynamicScale``): :class:`TrainState` has a ``dynamic_scale`` field, any
+  plain Optax optimizer, and :func:`value_and_grad` returns unscaled
+  gradients plus a finiteness flag that :meth:`TrainState.apply_gradients`
+  uses to skip the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+
+from jax_lossscale._numerics import _is_float, all_finite, compute_dtype, unscale_and_check
+from jax_lossscale._rule import update_scale
+from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._transform import _promote, get_scale_state, scale_loss
+
+__all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
+
+
+class ScaledValueAndGrad(NamedTuple):
+  """What :func:`value_and_grad` returns.
+
+  Attributes:
+    value: the loss as ``fun`` computed it (not multiplied by the scale).
+    aux: ``fun``'s auxiliary output (``None`` without ``has_aux``); never
+      scaled.
+    grads: the true (unscaled) gradients, in ``promote_types(dtype,
+      float32)`` of each parameter (float16/bfloat16 gradients come out as
+      float32). With ``argnums`` a sequence, a tuple of such pytrees.
+    finite: bool scalar: were all gradients finite? If not, the step must be
+      skipped (:meth:`TrainState.apply_gradients` does so).
+  """
+
+  value: jax.Array
+  aux: Any
+  grads: Any
+  finite: jax.Array
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    scale: Any,
+    *,
+    argnums: Union[int, Sequence[int]] = 0,
+    has_aux: bool = False,
+    axis_name: Optional[Any] = None,
+) -> Callable[..., ScaledValueAndGrad]:
+  """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
+
+  The functional counterpart of Flax's ``DynamicScale.value_and_grad``: the
+  returned function differentiates ``scale * fun(...)`` (in float32 at
+  least, see :func:`jax_lossscale.scale_loss`), then unscales the gradients
+  and checks them for inf/NaN in one pass. The scaler state is only read;
+  advance it with :func:`jax_lossscale.update_scale` (done by
+  :meth:`TrainState.apply_gradients`). Pure ``jnp``: use it inside ``jit``.
+
+  Args:
+    fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
+      ``has_aux``.
+    scale: a :class:`DynamicScaleState`, or any tree holding exactly one (a
+      :class:`TrainState`).
+    argnums: as in ``jax.value_and_grad``.
+    has_aux: as in ``jax.value_and_grad``.
+    axis_name: inside ``pmap``/``shard_map``, the axis over which the
+      gradients are averaged (``lax.pmean``) before the check, so that every
+      device sees the same gradients and takes the same skip decision. The
+      returned ``value`` is this device's loss.
+
+  Returns:
+    A function with ``fun``'s signature returning a
+    :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> from jax_lossscale.flax import value_and_grad
+    >>> ds = jls.DynamicScaleState.create(init_scale=1024.0)
+    >>> loss_fn = lambda w: jnp.sum(w ** 2)
+    >>> out = value_and_grad(loss_fn, ds)(jnp.array([1.0, 2.0]))
+    >>> out.value, out.grads, out.finite
+    (Array(5., dtype=float32), Array([2., 4.], dtype=float32), Array(True, dtype=bool))
+  """
+  if not callable(fun):
+    raise ValueError(f"fun must be callable, got {type(fun).__name__}.")
+  dynamic_scale = get_scale_state(scale)
+
+  def scaled_fun(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            "with has_aux=True, fun must return a pair (loss, aux), got "
+            f"{type(out).__name__}."
+        )
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    return scale_loss(loss, dynamic_scale), (loss, aux)
+
+  grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+  def wrapped(*args, **kwargs) -> ScaledValueAndGrad:
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    if axis_name is not None:
+      grads = jax.lax.pmean(grads, axis_name)
+    grads, finite = unscale_and_check(grads, dynamic_scale.scale)
+    return ScaledValueAndGrad(value=loss, aux=aux, grads=grads, finite=finite)
+
+  return wrapped
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates`` with explicit casts (strict dtype promotion safe)."""
+
+  def apply(p, u):
+    if p is None or u is None or not _is_float(p):
+      return p
+    p = jnp.asarray(p)
+    dt = compute_dtype(jnp.promote_types(p.dtype, jnp.result_type(u)))
+    return (p.astype(dt) + jnp.asarray(u).astype(dt)).astype(p.dtype)
+
+  return jax.tree_util.tree_map(apply, params, updates, is_leaf=lambda x: x is None)
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _has_scale_state(tree: Any) -> bool:
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, DynamicScaleState))
+  return any(isinstance(x, DynamicScaleState) for x in leaves)
+
+
+class TrainState(train_state.TrainState):
+  """Flax's ``TrainState`` with a ``dynamic_scale`` field and skipping updates.
+
+  Use a plain Optax optimizer as ``tx`` (the scaler lives in this state, not
+  in the optimizer), compute gradients with :meth:`value_and_grad` (or
+  :func:`value_and_grad`) and call :meth:`apply_gradients` with their
+  ``finite`` flag. A step with non-finite gradients is skipped with
+  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params`` and
+  ``opt_state`` stay bit-identical, and the scale backs off.
+
+  ``tx`` is initialised (and updated) with float16/bfloat16 params promoted
+  to float32, as :func:`jax_lossscale.dynamic_loss_scale` does, so its state
+  is float32; params keep their dtypes.
+
+  Attributes:
+    dynamic_scale: the :class:`DynamicScaleState`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> from jax_lossscale.flax import TrainState
+    >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+    ...                           tx=optax.sgd(0.5))
+    >>> @jax.jit
+    ... def train_step(state, x):
+    ...   loss_fn = lambda p: jnp.sum((p["w"] * x) ** 2)
+    ...   out = state.value_and_grad(loss_fn)(state.params)
+    ...   return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+    >>> state, loss = train_step(state, jnp.array([1.0, 1.0]))
+    >>> loss, state.params["w"], int(state.step)
+    (Array(2., dtype=float32), Array([0., 0.], dtype=float32), 1)
+    >>> state, _ = train_step(state, jnp.array([jnp.inf, 1.0]))  # overflow: skipped
+    >>> state.params["w"], int(state.step), float(state.dynamic_scale.scale)
+    (Array([0., 0.], dtype=float32), 1, 32768.0)
+  """
+
+  dynamic_scale: DynamicScaleState = struct.field(pytree_node=True)
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      apply_fn: Callable,
+      params: Any,
+      tx: optax.GradientTransformation,
+      dynamic_scale: Optional[DynamicScaleState] = None,
+      **kwargs: Any,
+  ) -> "TrainState":
+    """A new state with ``step=0`` (int32), ``opt_state`` and the scaler.
+
+    Args:
+      apply_fn: usually ``model.apply``.
+      params: the parameters.
+      tx: a plain Optax optimizer (not wrapped by ``dynamic_loss_scale``).
+      dynamic_scale: the scaler state; default
+        ``DynamicScaleState.create()`` (torch's defaults).
+      **kwargs: further fields of a subclass.
+
+    Raises:
+      ValueError: if ``dynamic_scale`` is not a :class:`DynamicScaleState`,
+        or ``tx`` already carries a loss scaler.
+    """
+    if dynamic_scale is None:
+      dynamic_scale = DynamicScaleState.create()
+    if not isinstance(dynamic_scale, DynamicScaleState):
+      raise ValueError(
+          "dynamic_scale must be a DynamicScaleState, got "
+          f"{type(dynamic_scale).__name__}."
+      )
+    if not isinstance(params, jax.Array) and OVERWRITE_WITH_GRADIENT in params:
+      params_with_opt = params["params"]
+    else:
+      params_with_opt = params
+    opt_state = tx.init(_promote(params_with_opt))
+    if _has_scale_state(opt_state):
+      raise ValueError(
+          "tx already holds a loss scaler (dynamic_loss_scale/static_loss_scale); "
+          "use it with flax.training.train_state.TrainState, or pass a plain "
+          "optimizer here, not both."
+      )
+    return cls(
+        step=jnp.zeros([], jnp.int32),
+        apply_fn=apply_fn,
+        params=params,
+        tx=tx,
+        opt_state=opt_state,
+        dynamic_scale=dynamic_scale,
+        **kwargs,
+    )
+
+  def value_and_grad(
+      self,
+      fun: Callable[..., Any],
+      *,
+      argnums: Union[int, Sequence[int]] = 0,
+      has_aux: bool = False,
+      axis_name: Optional[Any] = None,
+  ) -> Callable[..., ScaledValueAndGrad]:
+    """:func:`value_and_grad` with this state's ``dynamic_scale``."""
+    return value_and_grad(
+        fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
+    )
+
+  def apply_gradients(self, *, grads: Any, finite: Any = None, **kwargs: Any) -> "TrainState":
+    """Applies unscaled gradients unless they are non-finite; updates the scale.
+
+    Args:
+      grads: the *unscaled* gradients (``value_and_grad(...).grads``).
+      finite: bool scalar from :func:`value_and_grad`; if ``None`` it is
+        computed here with :func:`jax_lossscale.all_finite`.
+      **kwargs: other fields to replace (e.g. ``batch_stats``); they are
+        replaced whether or not the step is skipped.
+
+    Returns:
+      The new state: on a finite step ``step + 1`` and updated ``params`` and
+      ``opt_state``; on a skipped step those three bit-identical. In both
+      cases ``dynamic_scale`` advanced by :func:`jax_lossscale.update_scale`.
+
+    Raises:
+      ValueError: if ``finite`` is not a boolean scalar.
+    """
+    if finite is None:
+      finite = all_finite(grads)
+    finite = jnp.asarray(finite)
+    if finite.dtype != jnp.bool_ or finite.shape != ():
+      raise ValueError(
+          f"finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
+      )
+    owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+    grads_with_opt = grads["params"] if owg else grads
+    params_with_opt = self.params["params"] if owg else self.params
+    updates, new_opt_state = self.tx.update(
+        _promote(grads_with_opt), self.opt_state, _promote(params_with_opt)
+    )
+    new_params = _apply_updates(params_with_opt, updates)
+    if owg:
+      new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+    return self.replace(
+        step=jnp.where(finite, self.step + 1, self.step),
+        params=_select(finite, new_params, self.params),
+        opt_state=_select(finite, new_opt_state, self.opt_state),
+        dynamic_scale=update_scale(self.dynamic_scale, finite),
+        **kwargs,
+    )
