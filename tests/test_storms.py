@@ -1,0 +1,202 @@
+"""Bounds and overflow storms: the scale stays a normal float32, nothing leaks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+TINY = np.float32(np.finfo(np.float32).tiny)
+F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def _bits(tree):
+  """Every leaf as raw bits, so that -0.0 != 0.0 and NaN payloads count."""
+  return [np.asarray(x).view(np.uint8).copy() for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _assert_bit_identical(a, b):
+  la, lb = _bits(a), _bits(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(x, y)
+
+
+@jax.jit
+def _scales(state, flags):
+  def step(s, finite):
+    s = jls.update_scale(s, finite)
+    return s, s.scale
+
+  return jax.lax.scan(step, state, flags)
+
+
+def _assert_normal_in_bounds(scales, config):
+  scales = np.asarray(scales)
+  assert scales.dtype == np.float32
+  assert np.all(np.isfinite(scales)), "inf/NaN scale"
+  assert np.all(scales >= TINY), "zero or subnormal scale"
+  assert np.all(scales >= np.float32(config.min_scale))
+  assert np.all(scales <= np.float32(config.max_scale))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # torch defaults, floor = smallest normal float32
+        {"backoff_factor": 0.3, "growth_factor": 1.7},  # exact-product path
+        {"backoff_factor": 1e-3, "min_scale": 1.0},  # floor of jmp/Megatron
+        {"backoff_factor": 0.5, "min_scale": 3.0, "init_scale": 3.0 * 2**20},
+    ],
+)
+def test_downward_storm_stops_exactly_at_the_floor(kwargs):
+  state = jls.DynamicScaleState.create(**kwargs)
+  final, scales = _scales(state, jnp.zeros(400, bool))  # 400 overflows in a row
+  _assert_normal_in_bounds(scales, state.config)
+  assert float(final.scale) == np.float32(state.config.min_scale)
+  assert np.asarray(scales)[-1] == np.float32(state.config.min_scale)
+  assert int(final.skipped_steps) == 400 and int(final.consecutive_skips) == 400
+
+
+@pytest.mark.parametrize(
+    "kwargs, ceiling",
+    [
+        ({}, None),  # default max: growth past float32 is blocked (torch)
+        ({"growth_factor": 1.7}, None),
+        ({"max_scale": 2.0**20}, np.float32(2.0**20)),  # capped exactly
+        ({"max_scale": 1e6, "growth_factor": 3.0}, np.float32(1e6)),
+    ],
+)
+def test_upward_storm_never_reaches_inf(kwargs, ceiling):
+  state = jls.DynamicScaleState.create(growth_interval=1, **kwargs)
+  final, scales = _scales(state, jnp.ones(300, bool))  # 300 growths in a row
+  _assert_normal_in_bounds(scales, state.config)
+  top = np.asarray(scales).max()
+  if ceiling is None:
+    # The last growth that stayed finite, then blocked: the scale is kept.
+    assert top * np.float64(state.config.growth_factor) > F32_MAX
+  else:
+    assert top == ceiling
+  assert float(final.scale) == top
+
+
+def test_floor_then_recovery():
+  state = jls.DynamicScaleState.create(init_scale=4.0, min_scale=1.0, growth_interval=2)
+  flags = jnp.asarray([False] * 10 + [True] * 4)
+  final, scales = _scales(state, flags)
+  assert np.asarray(scales).tolist() == [2.0, 1.0] + [1.0] * 8 + [1.0, 2.0, 2.0, 4.0]
+  assert int(final.consecutive_skips) == 0 and int(final.skipped_steps) == 10
+
+
+def _nonfinite_grads(i, like):
+  """inf, NaN or -inf in one element, by step; the rest finite."""
+  bad = jnp.stack([jnp.float32(jnp.inf), jnp.float32(jnp.nan), jnp.float32(-jnp.inf)])[i % 3]
+  return jax.tree_util.tree_map(lambda p: jnp.ones_like(p).at[0].set(bad), like)
+
+
+def test_ten_thousand_nonfinite_steps_in_one_jitted_scan():
+  params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), "b": jnp.zeros([2], jnp.float32)}
+  tx = jls.dynamic_loss_scale(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)),
+      init_scale=2.0**16, growth_interval=3,
+  )
+  state = tx.init(params)
+
+  def train(params, state, n, bad):
+    def step(carry, i):
+      params, state = carry
+      grads = jax.tree_util.tree_map(lambda p: p * jls.get_scale_state(state).scale, params)
+      grads = jax.lax.cond(bad, lambda: _nonfinite_grads(i, params), lambda: grads)
+      updates, state = tx.update(grads, state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, state), _ = jax.lax.scan(step, (params, state), jnp.arange(n))
+    return params, state
+
+  train = jax.jit(train, static_argnums=(2, 3))
+  # A few clean steps first, so the inner state (momentum) is not trivial.
+  params, state = train(params, state, 4, False)
+  assert int(state.loss_scale.growth_tracker) == 1 and float(state.loss_scale.scale) == 2.0**17
+  before_params, before_inner = params, state.inner_state
+  params, state = train(params, state, 10_000, True)
+  _assert_bit_identical(params, before_params)
+  _assert_bit_identical(state.inner_state, before_inner)
+  ls = state.loss_scale
+  assert float(ls.scale) == TINY  # at its floor (default: smallest normal float32)
+  assert int(ls.skipped_steps) == 10_000 and int(ls.consecutive_skips) == 10_000
+  assert int(ls.growth_tracker) == 0 and int(ls.hysteresis_tracker) == 0
+  # The scaler never gave up: clean steps still apply and reset the run.
+  params, state = train(params, state, 3, False)
+  assert int(state.loss_scale.consecutive_skips) == 0
+  assert float(state.loss_scale.scale) == TINY * 2
+  assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(params))
+  assert not np.array_equal(np.asarray(params["w"]), np.asarray(before_params["w"]))
+
+
+def test_counters_saturate_instead_of_wrapping():
+  big = np.iinfo(np.int32).max
+  s = jls.DynamicScaleState.create().replace(
+      skipped_steps=jnp.asarray(big - 1, jnp.int32),
+      consecutive_skips=jnp.asarray(big - 1, jnp.int32),
+  )
+  for _ in range(3):
+    s = jls.update_scale(s, False)
+  assert int(s.skipped_steps) == big and int(s.consecutive_skips) == big
+  s = jls.update_scale(s, True)
+  assert int(s.skipped_steps) == big and int(s.consecutive_skips) == 0
+
+
+# --- check_skips: the opt-in host-side limit ---------------------------------
+
+
+def _skipped(n, **kwargs):
+  s = jls.DynamicScaleState.create(**kwargs)
+  for _ in range(n):
+    s = jls.update_scale(s, False)
+  return s
+
+
+def test_check_skips_raises_naming_count_limit_and_scale():
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0)
+  state = tx.init({"w": jnp.zeros(2, jnp.float32)})
+  for _ in range(5):
+    _, state = tx.update({"w": jnp.full(2, jnp.nan, jnp.float32)}, state)
+  assert jls.check_skips(state, max_consecutive_skips=5) == 5
+  with pytest.raises(jls.LossScaleError, match=r"5 consecutive steps skipped \(limit 4\).*0\.25"):
+    jls.check_skips(state, max_consecutive_skips=4)
+  assert issubclass(jls.LossScaleError, RuntimeError)
+  # It does not change the state, and a clean step resets the run.
+  _, state = tx.update({"w": jnp.ones(2, jnp.float32)}, state)
+  assert jls.check_skips(state, max_consecutive_skips=0) == 0
+
+
+def test_check_skips_total_limit():
+  s = _skipped(3)
+  s = jls.update_scale(s, True)
+  s = jls.update_scale(s, False)
+  assert jls.check_skips(s, max_consecutive_skips=1, max_skipped_steps=4) == 1
+  with pytest.raises(jls.LossScaleError, match=r"4 steps skipped in total \(limit 3\)"):
+    jls.check_skips(s, max_skipped_steps=3)
+
+
+def test_check_skips_on_a_batch_of_states():
+  batch = jax.tree_util.tree_map(lambda x: jnp.stack([x] * 3), _skipped(0))
+  states = jax.vmap(jls.update_scale)(batch, jnp.asarray([True, True, False]))
+  states = jax.vmap(jls.update_scale)(states, jnp.asarray([True, False, False]))
+  assert states.consecutive_skips.tolist() == [0, 1, 2]
+  assert jls.check_skips(states, max_consecutive_skips=2) == 2
+  with pytest.raises(jls.LossScaleError, match="2 consecutive"):
+    jls.check_skips(states, max_consecutive_skips=1)
+
+
+def test_check_skips_rejects_traced_state_and_bad_limits():
+  s = _skipped(1)
+  with pytest.raises(ValueError, match="outside jit"):
+    jax.jit(lambda s: jls.check_skips(s, max_consecutive_skips=1))(s)
+  for bad in (-1, 1.5, True, "3"):
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+      jls.check_skips(s, max_consecutive_skips=bad)
+  with pytest.raises(ValueError, match="No DynamicScaleState"):
+    jls.check_skips({"w": jnp.zeros(2)}, max_consecutive_skips=1)
