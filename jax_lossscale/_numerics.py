@@ -23,8 +23,13 @@ def _is_float(x: Any) -> bool:
 
 
 def compute_dtype(dtype) -> np.dtype:
-  """The dtype gradients are unscaled in: ``promote_types(dtype, float32)``."""
-  return jnp.promote_types(dtype, jnp.float32)
+  """The dtype gradients are unscaled in: ``promote_types(dtype, float32)``.
+
+  Decided by width, not by ``jnp.promote_types``, which refuses float16 with
+  float32 under ``jax_numpy_dtype_promotion="strict"``.
+  """
+  dtype = np.dtype(dtype)
+  return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
 def _limbs(value, count: int):
