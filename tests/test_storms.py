@@ -14,7 +14,7 @@ F32_MAX = np.float32(np.finfo(np.float32).max)
 
 def _bits(tree):
   """Every leaf as raw bits, so that -0.0 != 0.0 and NaN payloads count."""
-  return [np.asarray(x).view(np.uint8).copy() for x in jax.tree_util.tree_leaves(tree)]
+  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def _assert_bit_identical(a, b):
