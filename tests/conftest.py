@@ -42,3 +42,13 @@ def import_torch():
       pytest.fail("torch is required in CI for the PyTorch conformance tests")
     pytest.skip("torch is not installed")
   return torch
+
+
+def standard_promotion():
+  """Standard dtype promotion, for third-party code that is not strict-clean.
+
+  ``optax.adam`` computes ``b1 ** count`` (a Python float to an int32 power),
+  which strict promotion rejects; use this context around steps that run Adam.
+  jax_lossscale's own code runs under strict promotion everywhere else.
+  """
+  return jax.numpy_dtype_promotion("standard")
