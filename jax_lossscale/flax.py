@@ -133,7 +133,7 @@ def _apply_updates(params: Any, updates: Any) -> Any:
     if p is None or u is None or not _is_float(p):
       return p
     p = jnp.asarray(p)
-    dt = compute_dtype(jnp.promote_types(p.dtype, jnp.result_type(u)))
+    dt = max(compute_dtype(p.dtype), compute_dtype(jnp.result_type(u)), key=lambda d: d.itemsize)
     return (p.astype(dt) + jnp.asarray(u).astype(dt)).astype(p.dtype)
 
   return jax.tree_util.tree_map(apply, params, updates, is_leaf=lambda x: x is None)
