@@ -72,8 +72,10 @@ class DynamicScaleConfig:
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
     init_scale = _check_positive_finite("init_scale", self.init_scale)
-    if float(np.float32(init_scale)) == 0.0 or math.isinf(np.float32(init_scale)):
-      raise ValueError(f"init_scale must be representable in float32, got {init_scale!r}.")
+    if not MIN_NORMAL_F32 <= init_scale <= MAX_F32:
+      raise ValueError(
+          f"init_scale must be a normal float32 (in [2**-126, 3.4e38]), got {init_scale!r}."
+      )
     set_("init_scale", init_scale)
     growth = _check_positive_finite("growth_factor", self.growth_factor)
     if growth <= 1.0:
@@ -191,13 +193,14 @@ class DynamicScaleState:
     """The initial state for an already validated ``config``."""
     if not isinstance(config, DynamicScaleConfig):
       raise ValueError(f"config must be a DynamicScaleConfig, got {type(config).__name__}.")
-    zero = jnp.zeros([], jnp.int32)
+    # One buffer per leaf: shared buffers cannot be donated (donate_argnums).
+    zero = lambda: jnp.zeros([], jnp.int32)
     return cls(
         scale=jnp.asarray(np.float32(config.init_scale), jnp.float32),
-        growth_tracker=zero,
+        growth_tracker=zero(),
         hysteresis_tracker=jnp.asarray(config.hysteresis, jnp.int32),
-        skipped_steps=zero,
-        consecutive_skips=zero,
+        skipped_steps=zero(),
+        consecutive_skips=zero(),
         config=config,
     )
 
