@@ -211,7 +211,7 @@ def unscale_and_check(grads: Any, scale: Any) -> Tuple[Any, jax.Array]:
   def unscale(g):
     if not _is_float(g):
       return g
-    dt = compute_dtype(g.dtype)
+    dt = compute_dtype(jnp.result_type(g))  # g may be a Python float
     return (jnp.asarray(g).astype(dt) * inv.astype(dt)) * shift.astype(dt)
 
   unscaled = jax.tree_util.tree_map(unscale, grads)
