@@ -1,0 +1,258 @@
+"""Bad and unusual input: a correct result or a clear error, never corrupt state."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+
+
+def _tx(**kwargs):
+  kwargs.setdefault("init_scale", 4.0)
+  return jls.dynamic_loss_scale(optax.sgd(0.5, momentum=0.9), **kwargs)
+
+
+def _bits(tree):
+  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _assert_bit_identical(a, b):
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(_bits(a), _bits(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def _state_dtypes_ok(loss_scale):
+  assert loss_scale.scale.dtype == jnp.float32
+  for name in ("growth_tracker", "hysteresis_tracker", "skipped_steps", "consecutive_skips"):
+    assert getattr(loss_scale, name).dtype == jnp.int32, name
+
+
+# --- structure ------------------------------------------------------------------
+
+
+def test_mismatched_tree_structure_raises_naming_the_keys(maybe_jit):
+  tx = _tx()
+  params = {"w": jnp.ones(3, jnp.float32)}
+  state = tx.init(params)
+  snapshot = jax.tree_util.tree_map(jnp.copy, state)
+  with pytest.raises(ValueError, match=r"(?s)'v'.*'w'|'w'.*'v'"):
+    maybe_jit(tx.update)({"v": jnp.ones(3, jnp.float32)}, state, params)
+  with pytest.raises((TypeError, ValueError), match="shape"):
+    maybe_jit(tx.update)({"w": jnp.ones(4, jnp.float32)}, state, params)
+  _assert_bit_identical(state, snapshot)  # the failed calls touched nothing
+
+
+def test_foreign_state_is_rejected():
+  tx = _tx()
+  params = {"w": jnp.ones(3, jnp.float32)}
+  other = optax.sgd(0.1).init(params)
+  with pytest.raises(ValueError, match="LossScaleState"):
+    tx.update(params, other, params)
+  with pytest.raises(ValueError, match="DynamicScaleState"):
+    jls.update_scale(other, True)
+
+
+def test_none_leaves_pass_through(maybe_jit):
+  tx = _tx()
+  params = {"w": jnp.ones(3, jnp.float32), "frozen": None}
+  state = tx.init(params)
+  grads = {"w": jnp.full(3, 8.0, jnp.float32), "frozen": None}
+  updates, state = maybe_jit(tx.update)(grads, state, params)
+  assert updates["frozen"] is None
+  np.testing.assert_array_equal(updates["w"], np.full(3, -1.0, np.float32))  # -0.5 * 8 / 4
+  grads = {"w": jnp.asarray([1.0, jnp.nan, 1.0], jnp.float32), "frozen": None}
+  updates, state = maybe_jit(tx.update)(grads, state, params)
+  assert updates["frozen"] is None and int(state.loss_scale.skipped_steps) == 1
+
+
+def test_integer_and_bool_leaves_take_no_part_in_the_check(maybe_jit):
+  # Integer/bool leaves (step counters, masks) need an inner transform that
+  # leaves them alone; the scaler passes them through unscaled and unchecked.
+  labels = {"w": "train", "count": "frozen", "mask": "frozen"}
+  inner = optax.multi_transform(
+      {"train": optax.sgd(0.5), "frozen": optax.set_to_zero()}, labels)
+  tx = jls.dynamic_loss_scale(inner, init_scale=4.0)
+  params = {"w": jnp.ones(2, jnp.float32), "count": jnp.asarray([3, 7], jnp.int32),
+            "mask": jnp.asarray([True, False])}
+  state = tx.init(params)
+  grads = {"w": jnp.full(2, 4.0, jnp.float32), "count": jnp.asarray([2**30, -5], jnp.int32),
+           "mask": jnp.asarray([True, True])}
+  updates, state = maybe_jit(tx.update)(grads, state, params)
+  assert int(state.loss_scale.skipped_steps) == 0  # the huge int is not an overflow
+  assert updates["count"].dtype == jnp.int32 and updates["mask"].dtype == jnp.bool_
+  np.testing.assert_array_equal(updates["w"], np.full(2, -0.5, np.float32))
+  np.testing.assert_array_equal(updates["count"], [0, 0])
+  bad = dict(grads, w=jnp.asarray([jnp.inf, 1.0], jnp.float32))
+  updates, state = maybe_jit(tx.update)(bad, state, params)
+  assert int(state.loss_scale.skipped_steps) == 1
+  new = optax.apply_updates(params, updates)
+  _assert_bit_identical(new, params)
+  assert jls.all_finite({"i": jnp.asarray([2**31 - 1]), "b": jnp.asarray([True])})
+
+
+def test_empty_trees(maybe_jit):
+  tx = _tx(growth_interval=1)
+  for empty in ({}, [], ()):
+    state = tx.init(empty)
+    updates, new_state = maybe_jit(tx.update)(empty, state, empty)
+    assert updates == empty
+    # An empty gradient is finite: a clean step (the scale grows at interval 1).
+    assert float(new_state.loss_scale.scale) == 8.0
+    assert int(new_state.loss_scale.skipped_steps) == 0
+    _state_dtypes_ok(new_state.loss_scale)
+  g, ok = jls.unscale_and_check({}, 2.0)
+  assert g == {} and bool(ok)
+
+
+# --- scalars and Python numbers -------------------------------------------------
+
+
+def test_python_floats_where_arrays_are_expected(maybe_jit):
+  tx = _tx()
+  state = tx.init({"w": 1.0})
+  updates, state = maybe_jit(tx.update)({"w": 8.0}, state, {"w": 1.0})
+  assert updates["w"].dtype == jnp.float32 and float(updates["w"]) == -1.0
+  _state_dtypes_ok(state.loss_scale)
+  updates, state = maybe_jit(tx.update)({"w": float("inf")}, state, {"w": 1.0})
+  assert float(updates["w"]) == 0.0 and int(state.loss_scale.skipped_steps) == 1
+  assert jls.scale_loss(2.0, state).dtype == jnp.float32
+  g, ok = jls.unscale_and_check([8.0, 2], 4.0)
+  assert float(g[0]) == 2.0 and g[1] == 2 and bool(ok)
+
+
+def test_python_float_flag_is_rejected_python_bool_accepted():
+  s = jls.DynamicScaleState.create(init_scale=4.0)
+  with pytest.raises(ValueError, match="grads_finite must be a boolean scalar"):
+    jls.update_scale(s, 1.0)
+  with pytest.raises(ValueError, match="grads_finite must be a boolean scalar"):
+    jls.update_scale(s, jnp.asarray([True, False]))
+  assert float(jls.update_scale(s, False).scale) == 2.0
+  assert float(jls.update_scale(s, np.bool_(False)).scale) == 2.0
+
+
+def test_python_float_state_leaf_keeps_float32():
+  s = jls.DynamicScaleState.create(init_scale=4.0).replace(scale=2.0)
+  for finite in (False, True):
+    out = jls.update_scale(s, finite)
+    _state_dtypes_ok(out)
+    assert not out.scale.weak_type
+
+
+@pytest.mark.parametrize("bad", ["8", None, float("nan"), float("inf"), -1.0, 0.0, True])
+def test_bad_config_values_name_the_argument(bad):
+  with pytest.raises(ValueError, match="init_scale"):
+    jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=bad)
+
+
+def test_integer_loss_is_rejected():
+  with pytest.raises(ValueError, match="loss must be a floating-point"):
+    jls.scale_loss(jnp.asarray(3, jnp.int32), jls.DynamicScaleState.create())
+
+
+# --- NaN loss on every step ---------------------------------------------------------
+
+
+def test_nan_loss_on_every_step():
+  tx = _tx(min_scale=1.0)
+  params = {"w": jnp.asarray([1.0, -2.0], jnp.float32)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss = lambda p: jnp.sum(p["w"]) * jnp.float32(jnp.nan)
+    grads = jax.grad(lambda p: jls.scale_loss(loss(p), state))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  first = (params, state)
+  for _ in range(20):
+    params, state = step(params, state)
+  _assert_bit_identical(params, first[0])
+  _assert_bit_identical(state.inner_state, first[1].inner_state)
+  assert float(state.loss_scale.scale) == 1.0  # at the floor
+  assert int(state.loss_scale.consecutive_skips) == 20
+  with pytest.raises(jls.LossScaleError, match="20 consecutive steps skipped"):
+    jls.check_skips(state, max_consecutive_skips=10)
+
+
+# --- vmap over a batch of states ---------------------------------------------------
+
+
+def test_vmap_over_a_batch_of_states():
+  tx = _tx(growth_interval=2)
+  n = 4
+  params = {"w": jnp.tile(jnp.asarray([[1.0, 2.0]], jnp.float32), (n, 1))}
+  states = jax.vmap(tx.init)(params)
+  assert states.loss_scale.scale.shape == (n,)
+  assert states.loss_scale.config == tx.init({"w": jnp.ones(2)}).loss_scale.config
+  grads = {"w": jnp.asarray([[4.0, 4.0], [jnp.inf, 4.0], [4.0, jnp.nan], [8.0, 8.0]],
+                            jnp.float32)}
+  update = jax.jit(jax.vmap(tx.update))
+  updates, new = update(grads, states, params)
+  np.testing.assert_array_equal(new.loss_scale.skipped_steps, [0, 1, 1, 0])
+  np.testing.assert_array_equal(new.loss_scale.scale, [4.0, 2.0, 2.0, 4.0])
+  for i in range(n):  # each member equals its own unbatched run
+    one = jax.tree_util.tree_map(lambda x: x[i], (grads, states, params))
+    u, s = tx.update(*one)
+    _assert_bit_identical(u, jax.tree_util.tree_map(lambda x: x[i], updates))
+    _assert_bit_identical(s, jax.tree_util.tree_map(lambda x: x[i], new))
+  # The skipped members' params and inner state are untouched.
+  new_params = optax.apply_updates(params, updates)
+  for i in (1, 2):
+    np.testing.assert_array_equal(np.asarray(new_params["w"][i]).view(np.uint32),
+                                  np.asarray(params["w"][i]).view(np.uint32))
+  _state_dtypes_ok(new.loss_scale)
+  rule = jax.vmap(jls.update_scale)(states.loss_scale, jnp.asarray([True, False, True, False]))
+  np.testing.assert_array_equal(rule.scale, [4.0, 2.0, 4.0, 2.0])
+
+
+# --- float64 under jax_enable_x64 (in a subprocess: the flag is process-wide) ----
+
+_X64_SCRIPT = textwrap.dedent("""
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    import jax.numpy as jnp, numpy as np, optax
+    import jax_lossscale as jls
+
+    tx = jls.dynamic_loss_scale(optax.sgd(0.5, momentum=0.9), init_scale=2.0**10,
+                                growth_interval=1, growth_factor=1.1, backoff_factor=0.3)
+    params = {"w": jnp.asarray([1.0, -2.0], jnp.float64), "h": jnp.ones(2, jnp.float16)}
+    state = tx.init(params)
+    grads = {"w": jnp.asarray([3.0, 1e300], jnp.float64), "h": jnp.ones(2, jnp.float16)}
+    for g in (grads, dict(grads, w=jnp.asarray([jnp.inf, 1.0], jnp.float64))):
+      updates, state = jax.jit(tx.update)(g, state, params)
+      params = optax.apply_updates(params, updates)
+      ls = state.loss_scale
+      assert ls.scale.dtype == jnp.float32, ls.scale.dtype
+      for name in ("growth_tracker", "hysteresis_tracker", "skipped_steps",
+                   "consecutive_skips"):
+        assert getattr(ls, name).dtype == jnp.int32, name
+      assert updates["w"].dtype == jnp.float64 and updates["h"].dtype == jnp.float16
+      assert params["w"].dtype == jnp.float64
+    # 1e300 is finite in float64: the first step applied, the second skipped.
+    assert int(state.loss_scale.skipped_steps) == 1
+    # torch's float32(float64(1024) * 1.1), then * 0.3
+    want = np.float32(np.float64(np.float32(1024 * 1.1)) * 0.3)
+    assert float(state.loss_scale.scale) == want, float(state.loss_scale.scale)
+    assert np.all(np.isfinite(np.asarray(params["w"])))
+    print("x64 ok")
+""")
+
+
+def test_float64_with_x64_keeps_state_dtypes():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "x64 ok" in proc.stdout
