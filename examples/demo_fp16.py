@@ -1,0 +1,493 @@
+"""Float16 training with and without dynamic loss scaling, on scikit-learn's digits.
+
+Trains the same MLP from the same initial parameters on the same batches three
+ways and measures what float16 does to the gradients:
+
+* ``float32``: the reference, float32 parameters and compute.
+* ``float16``: float16 compute (parameters cast to float16 inside the loss,
+  float32 master parameters and optimizer), no loss scaling (scale 1).
+* ``float16 + scaling``: the same float16 compute with
+  ``jax_lossscale.dynamic_loss_scale``.
+
+With ``--param-dtype float16`` the parameters themselves (and so the
+gradients and updates) are float16 in the two float16 runs.
+
+"Underflow" is measured on sampled steps: the run's gradient (float16
+backward, unscaled) is compared with the float32 gradient at the same
+parameters and batch, and the fraction of the float32-non-zero elements that
+came out exactly zero is reported.
+
+Usage::
+
+  python examples/demo_fp16.py --out out            # about two minutes on 2 CPU cores
+  python examples/demo_fp16.py --steps 200 --out /tmp/demo --no-progress
+
+Writes ``demo_fp16.png`` (loss curves, underflow, loss scale), ``demo_fp16.json``
+and ``demo_fp16.md`` (the table) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from typing import Any, Dict, List, NamedTuple, Sequence
+
+RUNS = ("float32", "float16", "float16 + scaling")
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+
+
+def _int_at_least(minimum: int, name: str):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+  return parse
+
+
+def _positive_float(name: str, maximum: float = math.inf):
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= maximum):
+      bound = "" if math.isinf(maximum) else f" and <= {maximum:g}"
+      raise argparse.ArgumentTypeError(f"{name} must be positive{bound}, got {text!r}")
+    return value
+
+  return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      description=(
+          "Train an MLP on scikit-learn's digits in float32, in float16 without "
+          "loss scaling and in float16 with jax_lossscale.dynamic_loss_scale; "
+          "print a table and write a PNG."
+      ),
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument("--steps", type=_int_at_least(1, "--steps"), default=4000,
+                 help="optimizer steps per run")
+  p.add_argument("--seed", type=_int_at_least(0, "--seed"), default=0,
+                 help="seed of the initial parameters, the split and the batches")
+  p.add_argument("--out", default="out", help="output folder (created if missing)")
+  p.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=256,
+                 help="examples per step; the loss is the batch mean")
+  p.add_argument("--hidden", type=_int_at_least(1, "--hidden"), default=64,
+                 help="width of each hidden layer")
+  p.add_argument("--depth", type=_int_at_least(1, "--depth"), default=4,
+                 help="number of hidden layers")
+  p.add_argument("--lr", type=_positive_float("--lr"), default=1e-3,
+                 help="Adam learning rate")
+  p.add_argument("--init-scale", type=_positive_float("--init-scale"), default=1.0,
+                 help="multiplier of the He-normal initial weights")
+  p.add_argument("--param-dtype", choices=("float32", "float16"), default="float32",
+                 help="dtype of the parameters of the two float16 runs "
+                      "(float32 = master weights, float16 = params and grads in float16)")
+  p.add_argument("--init-loss-scale", type=_positive_float("--init-loss-scale", 2.0**100),
+                 default=2.0**16, help="initial loss scale of the scaled run")
+  p.add_argument("--growth-interval", type=_int_at_least(1, "--growth-interval"), default=200,
+                 help="clean steps before the scale doubles (torch's default is 2000)")
+  p.add_argument("--test-fraction", type=_positive_float("--test-fraction", 0.9), default=0.2,
+                 help="fraction of the 1797 digits held out for testing")
+  p.add_argument("--probes", type=_int_at_least(1, "--probes"), default=40,
+                 help="number of sampled steps at which underflow is measured")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  if args.probes > args.steps:
+    args.probes = args.steps
+  n_train = 1797 - int(round(1797 * args.test_fraction))
+  if args.batch_size > n_train:
+    parser.error(f"argument --batch-size: must be <= the {n_train} training examples, "
+                 f"got {args.batch_size}")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    parser.error(f"argument --out: {args.out!r} exists and is not a folder")
+  return args
+
+
+# ----------------------------------------------------------------------------
+# Data, model, training.
+
+
+def load_data(seed: int, test_fraction: float):
+  import numpy as np
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
+
+  digits = load_digits()
+  x = (digits.data / 16.0).astype(np.float32)  # pixels 0..16 -> [0, 1]
+  y = digits.target.astype(np.int32)
+  return train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+
+
+class Run(NamedTuple):
+  name: str
+  compute_dtype: Any
+  param_dtype: Any
+  scaled: bool
+
+
+def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
+  args = parse_args(argv)
+  # Imported after argument parsing, so that --help and errors are instant.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import jax_lossscale as jls
+
+  x_train, x_test, y_train, y_test = load_data(args.seed, args.test_fraction)
+  x_train_j, y_train_j = jnp.asarray(x_train), jnp.asarray(y_train)
+  x_test_j, y_test_j = jnp.asarray(x_test), jnp.asarray(y_test)
+  sizes = [x_train.shape[1]] + [args.hidden] * args.depth + [10]
+
+  def init_params(key):
+    params = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+      key, sub = jax.random.split(key)
+      std = args.init_scale * math.sqrt(2.0 / fan_in)
+      w = std * jax.random.normal(sub, (fan_in, fan_out), jnp.float32)
+      params.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
+    return params
+
+  def logits_fn(params, x, dtype, taps=None):
+    """The MLP in ``dtype``; ``taps`` (zeros) are added to each pre-activation
+    so that their gradients are the activation gradients."""
+    h = x.astype(dtype)
+    for i, layer in enumerate(params):
+      h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)
+      if taps is not None:
+        h = h + taps[i]
+      if i < len(params) - 1:
+        h = jax.nn.relu(h)
+    return h.astype(jnp.float32)  # softmax and loss in float32
+
+  def loss_fn(params, x, y, dtype, taps=None):
+    logits = logits_fn(params, x, dtype, taps)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def batch_indices(key, step):
+    return jax.random.randint(
+        jax.random.fold_in(key, step), (args.batch_size,), 0, x_train.shape[0]
+    )
+
+  def make_tx(run: Run):
+    adam = optax.adam(args.lr)
+    if run.scaled:
+      return jls.dynamic_loss_scale(
+          adam, init_scale=args.init_loss_scale, growth_interval=args.growth_interval
+      )
+    return jls.no_loss_scale(adam)  # scale 1: plain Adam, same state layout
+
+  key = jax.random.PRNGKey(args.seed)
+  init_key, batch_key = jax.random.split(key)
+  params0 = init_params(init_key)
+
+  probe_every = max(1, args.steps // args.probes)
+  chunks = []  # [start, stop) of each scanned chunk; a probe before each
+  start = 0
+  while start < args.steps:
+    chunks.append((start, min(args.steps, start + probe_every)))
+    start += probe_every
+
+  def make_fns(run: Run):
+    tx = make_tx(run)
+
+    def grads_of(params, opt_state, idx):
+      xb, yb = x_train_j[idx], y_train_j[idx]
+
+      def scaled_loss(p):
+        loss = loss_fn(p, xb, yb, run.compute_dtype)
+        return jls.scale_loss(loss, opt_state), loss
+
+      return jax.grad(scaled_loss, has_aux=True)(params)
+
+    def train_step(carry, step):
+      params, opt_state = carry
+      idx = batch_indices(batch_key, step)
+      scale = jls.get_scale_state(opt_state).scale
+      grads, loss = grads_of(params, opt_state, idx)
+      skipped_before = jls.get_scale_state(opt_state).skipped_steps
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      skipped = jls.get_scale_state(opt_state).skipped_steps > skipped_before
+      return (params, opt_state), (loss, scale, skipped)
+
+    @jax.jit
+    def train_chunk(params, opt_state, steps):
+      (params, opt_state), out = jax.lax.scan(train_step, (params, opt_state), steps)
+      return params, opt_state, out
+
+    def all_grads(params, scale, idx, dtype):
+      """Parameter and activation gradients of the (scaled) loss, unscaled."""
+      xb, yb = x_train_j[idx], y_train_j[idx]
+      taps = [jnp.zeros((args.batch_size, n), dtype) for n in sizes[1:]]
+      f = lambda p, t: loss_fn(p, xb, yb, dtype, t).astype(jnp.float32) * scale
+      grads = jax.grad(f, argnums=(0, 1))(params, taps)
+      return jls.unscale_and_check(grads, scale)
+
+    @jax.jit
+    def probe(params, opt_state, step):
+      """Counts float32-non-zero gradient elements that are 0 in this run."""
+      idx = batch_indices(batch_key, step)
+      scale = jls.get_scale_state(opt_state).scale
+      (g_par, g_act), finite = all_grads(params, scale, idx, run.compute_dtype)
+      ref_params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+      (r_par, r_act), _ = all_grads(ref_params, jnp.float32(1), idx, jnp.float32)
+
+      def count(gs, rs):
+        gs, rs = jax.tree_util.tree_leaves(gs), jax.tree_util.tree_leaves(rs)
+        lost = sum(jnp.sum((g == 0) & (r != 0)) for g, r in zip(gs, rs))
+        return lost, sum(jnp.sum(r != 0) for r in rs)
+
+      return count(g_par, r_par), count(g_act, r_act), finite
+
+    @jax.jit
+    def evaluate(params, x, y):
+      logits = logits_fn(params, x, run.compute_dtype)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+      acc = jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+      return loss, acc
+
+    return tx, train_chunk, probe, evaluate
+
+  half_params = jnp.float16 if args.param_dtype == "float16" else jnp.float32
+  runs = [
+      Run(RUNS[0], jnp.float32, jnp.float32, False),
+      Run(RUNS[1], jnp.float16, half_params, False),
+      Run(RUNS[2], jnp.float16, half_params, True),
+  ]
+
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:  # the bar is a nicety
+    tqdm = None
+  show_bar = tqdm is not None and not args.no_progress and sys.stderr.isatty()
+
+  results: List[Dict[str, Any]] = []
+  curves: Dict[str, Dict[str, np.ndarray]] = {}
+  t_start = time.perf_counter()
+  for run in runs:
+    tx, train_chunk, probe, evaluate = make_fns(run)
+    params = jax.tree_util.tree_map(lambda p: p.astype(run.param_dtype), params0)
+    opt_state = tx.init(params)
+    losses, scales, skips, probe_steps, frac_par, frac_act = [], [], [], [], [], []
+    bar = tqdm(total=args.steps, desc=f"{run.name:>17}", unit="step",
+               disable=not show_bar, leave=True) if tqdm else None
+    t0 = time.perf_counter()
+    for lo, hi in chunks:
+      if run.compute_dtype != jnp.float32:
+        (lost_p, nz_p), (lost_a, nz_a), finite = probe(params, opt_state, jnp.int32(lo))
+        if bool(finite) and int(nz_p) > 0 and int(nz_a) > 0:  # overflowed: not counted
+          probe_steps.append(lo)
+          frac_par.append(int(lost_p) / int(nz_p))
+          frac_act.append(int(lost_a) / int(nz_a))
+      params, opt_state, (loss, scale, skipped) = train_chunk(
+          params, opt_state, jnp.arange(lo, hi, dtype=jnp.int32)
+      )
+      losses.append(np.asarray(loss))
+      scales.append(np.asarray(scale))
+      skips.append(np.asarray(skipped))
+      if bar is not None:
+        bar.update(hi - lo)
+        bar.set_postfix(loss=f"{float(loss[-1]):.3g}")
+    if bar is not None:
+      bar.close()
+    seconds = time.perf_counter() - t0
+    losses, scales, skips = (np.concatenate(a) for a in (losses, scales, skips))
+    train_loss, train_acc = evaluate(params, x_train_j, y_train_j)
+    test_loss, test_acc = evaluate(params, x_test_j, y_test_j)
+    scale_state = jls.get_scale_state(opt_state)
+    frac_par = np.asarray(frac_par, np.float64)
+    frac_act = np.asarray(frac_act, np.float64)
+    n_half = max(1, len(frac_par) // 2)
+    summary = lambda f, g: float(g(f)) if f.size else None
+    results.append({
+        "run": run.name,
+        "compute_dtype": jnp.dtype(run.compute_dtype).name,
+        "param_dtype": jnp.dtype(run.param_dtype).name,
+        "loss_scaling": "dynamic" if run.scaled else "none",
+        "train_loss": float(train_loss),
+        "train_accuracy": float(train_acc),
+        "test_loss": float(test_loss),
+        "test_accuracy": float(test_acc),
+        "final_batch_loss": float(losses[-1]),
+        # Underflow: None for the float32 reference (nothing to compare).
+        # Fractions of the float32-non-zero gradient elements that are exactly
+        # zero in this run, over the probed steps: parameter gradients and
+        # activation gradients (of each layer's pre-activation, per example).
+        "underflow_params_mean": summary(frac_par, np.mean),
+        "underflow_params_last_half": summary(frac_par[-n_half:], np.mean),
+        "underflow_params_max": summary(frac_par, np.max),
+        "underflow_activations_mean": summary(frac_act, np.mean),
+        "underflow_activations_last_half": summary(frac_act[-n_half:], np.mean),
+        "underflow_activations_max": summary(frac_act, np.max),
+        "underflow_probes": int(frac_par.size),
+        "skipped_steps": int(scale_state.skipped_steps),
+        "scale_final": float(scale_state.scale),
+        "scale_min": float(min(scales.min(), scale_state.scale)),
+        "scale_max": float(max(scales.max(), scale_state.scale)),
+        "seconds": seconds,
+    })
+    curves[run.name] = {
+        "loss": losses, "scale": scales, "skipped": skips,
+        "probe_steps": np.asarray(probe_steps), "frac_par": frac_par,
+        "frac_act": frac_act,
+    }
+
+  report = {
+      "config": {k: v for k, v in vars(args).items() if k not in ("no_progress", "no_plot")},
+      "machine": {
+          "platform": platform.platform(),
+          "processor": platform.machine(),
+          "cpu_count": os.cpu_count(),
+          "jax_backend": jax.default_backend(),
+          "jax_version": jax.__version__,
+      },
+      "date": time.strftime("%Y-%m-%d", time.gmtime()),
+      "wall_seconds": time.perf_counter() - t_start,
+      "train_examples": int(x_train.shape[0]),
+      "test_examples": int(x_test.shape[0]),
+      "parameters": int(sum(p.size for p in jax.tree_util.tree_leaves(params0))),
+      "runs": results,
+  }
+  table = format_table(report)
+  print(table)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "demo_fp16.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  with open(os.path.join(args.out, "demo_fp16.md"), "w") as f:
+    f.write(table + "\n")
+  if not args.no_plot:
+    path = os.path.join(args.out, "demo_fp16.png")
+    plot(curves, report, path)
+    print(f"wrote {path}")
+  return report
+
+
+# ----------------------------------------------------------------------------
+# Output.
+
+
+def _pct(x):
+  return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _pow2(x: float) -> str:
+  e = math.log2(x)
+  return f"2^{e:.0f}" if e == round(e) else f"{x:.3g}"
+
+
+def format_table(report: Dict[str, Any]) -> str:
+  """The results as a Markdown table (also readable as plain text)."""
+  cfg = report["config"]
+  lines = [
+      f"digits: {report['train_examples']} train / {report['test_examples']} test, "
+      f"MLP {cfg['depth']}x{cfg['hidden']} ReLU ({report['parameters']} parameters), "
+      f"Adam lr={cfg['lr']:g}, batch {cfg['batch_size']}, {cfg['steps']} steps, "
+      f"seed {cfg['seed']}, float16 runs: {cfg['param_dtype']} parameters",
+      "",
+      "| run | train acc | test acc | train loss | test loss "
+      "| underflow, param grads | underflow, activation grads "
+      "| skipped | scale final (range) |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in report["runs"]:
+    under = lambda kind: (
+        "n/a (reference)" if r[f"underflow_{kind}_mean"] is None else
+        f"{_pct(r[f'underflow_{kind}_mean'])} / {_pct(r[f'underflow_{kind}_last_half'])}")
+    scale = (f"{_pow2(r['scale_final'])} ({_pow2(r['scale_min'])} .. "
+             f"{_pow2(r['scale_max'])})")
+    lines.append(
+        f"| {r['run']} | {r['train_accuracy']:.4f} | {r['test_accuracy']:.4f} "
+        f"| {r['train_loss']:.4g} | {r['test_loss']:.4g} "
+        f"| {under('params')} | {under('activations')} "
+        f"| {r['skipped_steps']} | {scale} |"
+    )
+  return "\n".join(lines)
+
+
+def _smooth(y, width: int):
+  import numpy as np
+
+  if width <= 1 or y.size < width:
+    return np.arange(y.size), y
+  kernel = np.ones(width) / width
+  return np.arange(width - 1, y.size), np.convolve(y, kernel, mode="valid")
+
+
+def plot(curves: Dict[str, Dict[str, Any]], report: Dict[str, Any], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  colors = {RUNS[0]: "black", RUNS[1]: "tab:red", RUNS[2]: "tab:blue"}
+  fig, (ax_loss, ax_under, ax_scale) = plt.subplots(
+      3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}
+  )
+  steps = len(next(iter(curves.values()))["loss"])
+  width = max(1, steps // 100)
+  for name, c in curves.items():
+    x, y = _smooth(np.asarray(c["loss"], np.float64), width)
+    ax_loss.plot(x, y, color=colors[name], label=name, lw=1.2)
+  ax_loss.set_yscale("log")
+  ax_loss.set_ylabel(f"train batch loss\n(mean of {width} steps)")
+  ax_loss.legend()
+  cfg = report["config"]
+  ax_loss.set_title(
+      f"digits, MLP {cfg['depth']}x{cfg['hidden']}, batch {cfg['batch_size']}, "
+      f"float16 runs with {cfg['param_dtype']} parameters"
+  )
+
+  for name in RUNS[1:]:
+    c = curves[name]
+    ax_under.plot(c["probe_steps"], 100 * c["frac_act"], "o-", ms=3,
+                  color=colors[name], label=f"{name}: activation grads")
+    ax_under.plot(c["probe_steps"], 100 * c["frac_par"], "s--", ms=3,
+                  color=colors[name], label=f"{name}: parameter grads", alpha=0.7)
+  ax_under.set_ylabel("gradient elements\nflushed to 0 (%)")
+  ax_under.legend()
+
+  c = curves[RUNS[2]]
+  ax_scale.plot(np.arange(steps), c["scale"], color=colors[RUNS[2]], lw=1.2,
+                label="loss scale (float16 + scaling)")
+  skipped = np.flatnonzero(c["skipped"])
+  if skipped.size:
+    ax_scale.plot(skipped, c["scale"][skipped], "x", color="tab:orange", ms=7,
+                  label=f"skipped step ({skipped.size})")
+  ax_scale.set_yscale("log", base=2)
+  ax_scale.set_ylabel("loss scale")
+  ax_scale.set_xlabel("step")
+  ax_scale.legend()
+  for ax in (ax_loss, ax_under, ax_scale):
+    ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  main()
