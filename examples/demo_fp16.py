@@ -19,7 +19,7 @@ came out exactly zero is reported.
 
 Usage::
 
-  python examples/demo_fp16.py --out out            # about two minutes on 2 CPU cores
+  python examples/demo_fp16.py --out out            # one to two minutes on 2 CPU cores
   python examples/demo_fp16.py --steps 200 --out /tmp/demo --no-progress
 
 Writes ``demo_fp16.png`` (loss curves, underflow, loss scale), ``demo_fp16.json``
@@ -80,12 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
       ),
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument("--steps", type=_int_at_least(1, "--steps"), default=4000,
+  p.add_argument("--steps", type=_int_at_least(1, "--steps"), default=3000,
                  help="optimizer steps per run")
   p.add_argument("--seed", type=_int_at_least(0, "--seed"), default=0,
                  help="seed of the initial parameters, the split and the batches")
   p.add_argument("--out", default="out", help="output folder (created if missing)")
-  p.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=256,
+  p.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=1024,
                  help="examples per step; the loss is the batch mean")
   p.add_argument("--hidden", type=_int_at_least(1, "--hidden"), default=64,
                  help="width of each hidden layer")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "(float32 = master weights, float16 = params and grads in float16)")
   p.add_argument("--init-loss-scale", type=_positive_float("--init-loss-scale", 2.0**100),
                  default=2.0**16, help="initial loss scale of the scaled run")
-  p.add_argument("--growth-interval", type=_int_at_least(1, "--growth-interval"), default=200,
+  p.add_argument("--growth-interval", type=_int_at_least(1, "--growth-interval"), default=100,
                  help="clean steps before the scale doubles (torch's default is 2000)")
   p.add_argument("--test-fraction", type=_positive_float("--test-fraction", 0.9), default=0.2,
                  help="fraction of the 1797 digits held out for testing")
