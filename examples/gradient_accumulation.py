@@ -7,7 +7,7 @@ overflowed, the whole accumulated step is skipped and the scale backs off.
 
 Stock ``optax.MultiSteps`` resets its accumulator as ``(1 - emit) * acc``,
 which stays NaN after an overflow (``0 * inf``), so every later step would be
-skipped too; ``multi_steps`` below zeroes it with ``jnp.where`` instead.
+skipped too; ``jls.multi_steps`` zeroes it with ``jnp.where`` instead.
 
 Run: python examples/gradient_accumulation.py [--smoke]
 """
@@ -21,19 +21,6 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
-
-
-def multi_steps(inner, every_k_schedule, **kwargs):
-  """``optax.MultiSteps`` whose accumulator restarts from zero after every step."""
-  ms = optax.MultiSteps(inner, every_k_schedule, **kwargs)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    updates, state = ms.update(updates, state, params, **extra_args)
-    fresh = state.mini_step == 0
-    acc = jax.tree_util.tree_map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), state.acc_grads)
-    return updates, state._replace(acc_grads=acc)
-
-  return optax.GradientTransformationExtraArgs(ms.init, update_fn)
 
 
 def make_data(n=256, d=16, seed=0):
@@ -65,7 +52,7 @@ def main(argv=None):
       "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
       "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
   }
-  tx = multi_steps(jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**12,
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**12,
                                           growth_interval=10), every_k_schedule=k)
   opt_state = tx.init(params)
 

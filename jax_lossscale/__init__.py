@@ -1,5 +1,6 @@
 """jax_lossscale: PyTorch-exact dynamic loss scaling for JAX and Optax."""
 
+from jax_lossscale._accumulation import multi_steps as multi_steps
 from jax_lossscale._checkpoint import check_scale_config as check_scale_config
 from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
 from jax_lossscale._guard import LossScaleError as LossScaleError
@@ -37,6 +38,7 @@ __all__ = (
     "from_torch_state_dict",
     "get_scale_state",
     "metrics",
+    "multi_steps",
     "no_loss_scale",
     "nonfinite_leaves",
     "scale_config_metadata",

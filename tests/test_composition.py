@@ -146,24 +146,6 @@ def test_multisteps_accumulates_with_constant_scale(dtype):
   assert int(jls.metrics(state)["growth_tracker"]) == 2  # one per accumulated step
 
 
-def multi_steps(inner, every_k_schedule, **kwargs):
-  """``optax.MultiSteps`` that empties its accumulator after every emitted step.
-
-  Stock MultiSteps resets its accumulator as ``(1 - emit) * acc``, which is NaN
-  once a micro-batch overflowed (``0 * inf``), so every later step would be
-  skipped. Zeroing it with ``jnp.where`` makes the run recover.
-  """
-  ms = optax.MultiSteps(inner, every_k_schedule, **kwargs)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    updates, state = ms.update(updates, state, params, **extra_args)
-    fresh = state.mini_step == 0
-    acc = jax.tree_util.tree_map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), state.acc_grads)
-    return updates, state._replace(acc_grads=acc)
-
-  return optax.GradientTransformationExtraArgs(ms.init, update_fn)
-
-
 def _run_overflowing_accumulation(tx, k, rounds):
   """Round 0: the second micro-batch overflows; later rounds are clean."""
   state, params, history = tx.init(PARAMS), PARAMS, []
@@ -177,7 +159,7 @@ def _run_overflowing_accumulation(tx, k, rounds):
   return history, jls.metrics(state)
 
 
-@pytest.mark.parametrize("make", [optax.MultiSteps, multi_steps], ids=["optax", "resetting"])
+@pytest.mark.parametrize("make", [optax.MultiSteps, jls.multi_steps], ids=["optax", "resetting"])
 def test_multisteps_skips_whole_step_if_any_microbatch_overflowed(make):
   k = 3
   tx = make(jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=SCALE), k)
@@ -189,7 +171,7 @@ def test_multisteps_skips_whole_step_if_any_microbatch_overflowed(make):
   assert all(h[1] == _bits(PARAMS) for h in history[:k])
   if make is optax.MultiSteps:
     # Known optax limitation: (1 - emit) * inf = NaN stays in the accumulator, so
-    # every later accumulated step is skipped too. Use a resetting accumulator.
+    # every later accumulated step is skipped too. jls.multi_steps resets it.
     assert int(m["skipped_steps"]) == 3 and int(m["consecutive_skips"]) == 3
     return
   # Rounds 1 and 2 are clean and applied.
