@@ -177,8 +177,32 @@ def all_finite(tree: Any) -> jax.Array:
   leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
   if not leaves:
     return jnp.asarray(True)
-  flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
-  return jnp.all(jnp.stack(flags)) if len(flags) > 1 else flags[0]
+  return _finite_from_sums([_nonfinite_sum(x) for x in leaves])
+
+
+def _nonfinite_sum(x: Any) -> jax.Array:
+  """``sum(x * 0)`` as float32: 0 (or -0) if ``x`` is all finite, else NaN.
+
+  ``inf * 0`` and ``NaN * 0`` are NaN and NaN survives the sum, while a sum of
+  zeros cannot overflow. One vectorised float reduction per leaf, which XLA
+  fuses with the producer of ``x`` (the unscaling multiply): about twice as
+  fast on CPU as ``all(isfinite(x))``, whose boolean reduction is not fused.
+  """
+  x = jnp.asarray(x)
+  return jnp.sum(x * jnp.zeros([], x.dtype)).astype(jnp.float32)
+
+
+def _finite_from_sums(sums) -> jax.Array:
+  """Combines per-leaf :func:`_nonfinite_sum` results into one bool scalar.
+
+  The ``sqrt`` (identity on +-0, NaN on NaN) is an operation XLA does not
+  duplicate into its consumers: without it the chain of per-leaf additions is
+  copied into every fusion that reads the flag (each ``jnp.where`` of the
+  step), which makes compilation quadratic in the number of leaves (~100x the
+  plain step's compile time at 200 leaves on CPU).
+  """
+  total = sums[0] if len(sums) == 1 else jnp.sum(jnp.stack(sums))
+  return jnp.isfinite(jnp.sqrt(total))
 
 
 def unscale_and_check(grads: Any, scale: Any) -> Tuple[Any, jax.Array]:
