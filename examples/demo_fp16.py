@@ -20,7 +20,7 @@ came out exactly zero is reported.
 Usage::
 
   python examples/demo_fp16.py --out out            # one to two minutes on 2 CPU cores
-  python examples/demo_fp16.py --steps 200 --out /tmp/demo --no-progress
+  python examples/demo_fp16.py --steps 200 --out demo_small --no-progress
 
 Writes ``demo_fp16.png`` (loss curves, underflow, loss scale), ``demo_fp16.json``
 and ``demo_fp16.md`` (the table) into ``--out``.
@@ -311,7 +311,10 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
       skips.append(np.asarray(skipped))
       if bar is not None:
         bar.update(hi - lo)
-        bar.set_postfix(loss=f"{float(loss[-1]):.3g}")
+        post = {"loss": f"{float(loss[-1]):.3g}"}
+        if run.scaled:
+          post["scale"] = _pow2(float(jls.get_scale_state(opt_state).scale))
+        bar.set_postfix(post)
     if bar is not None:
       bar.close()
     seconds = time.perf_counter() - t0
@@ -359,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
   report = {
       "config": {k: v for k, v in vars(args).items() if k not in ("no_progress", "no_plot")},
       "machine": {
+          "cpu": _cpu_name(),
           "platform": platform.platform(),
           "processor": platform.machine(),
           "cpu_count": os.cpu_count(),
@@ -388,6 +392,17 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------
 # Output.
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
 
 
 def _pct(x):
@@ -425,6 +440,15 @@ def format_table(report: Dict[str, Any]) -> str:
         f"| {under('params')} | {under('activations')} "
         f"| {r['skipped_steps']} | {scale} |"
     )
+  m = report["machine"]
+  lines += [
+      "",
+      f"{report['date']}, {m['cpu_count']} CPU cores ({m['cpu']}), JAX {m['jax_version']} "
+      f"on {m['jax_backend']}, {report['wall_seconds']:.0f} s in all. Underflow: share of "
+      "the float32-non-zero gradient elements that are exactly 0 in the run "
+      f"(mean over {report['runs'][-1]['underflow_probes']} sampled steps / "
+      "mean over the second half).",
+  ]
   return "\n".join(lines)
 
 

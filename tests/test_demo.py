@@ -46,6 +46,7 @@ def tiny_run(tmp_path_factory):
   return out, proc.stdout, report
 
 
+@pytest.mark.slow
 def test_report_values_are_sane(tiny_run):
   _, _, report = tiny_run
   assert report["config"]["steps"] == 60
@@ -88,6 +89,7 @@ def test_report_values_are_sane(tiny_run):
   assert runs[RUNS[1]]["underflow_activations_max"] > 0.0
 
 
+@pytest.mark.slow
 def test_table_printed_and_written(tiny_run):
   out, stdout, report = tiny_run
   table = (out / "demo_fp16.md").read_text()
@@ -96,6 +98,7 @@ def test_table_printed_and_written(tiny_run):
     assert f"| {r['run']} | {r['train_accuracy']:.4f} | {r['test_accuracy']:.4f} " in table
 
 
+@pytest.mark.slow
 def test_png_written(tiny_run):
   out, stdout, _ = tiny_run
   png = out / "demo_fp16.png"
