@@ -131,8 +131,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def load_data(seed: int, test_fraction: float):
   import numpy as np
-  from sklearn.datasets import load_digits
-  from sklearn.model_selection import train_test_split
+
+  try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+  except ImportError:
+    raise SystemExit(
+        "The demo needs scikit-learn, matplotlib and tqdm: "
+        "pip install 'jax-lossscale[demo]' (or run `make demo`)."
+    ) from None
 
   digits = load_digits()
   x = (digits.data / 16.0).astype(np.float32)  # pixels 0..16 -> [0, 1]
