@@ -177,32 +177,28 @@ def all_finite(tree: Any) -> jax.Array:
   leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float(x)]
   if not leaves:
     return jnp.asarray(True)
-  return _finite_from_sums([_nonfinite_sum(x) for x in leaves])
+  return _combine_flags([jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
-def _nonfinite_sum(x: Any) -> jax.Array:
-  """``sum(x * 0)`` as float32: 0 (or -0) if ``x`` is all finite, else NaN.
+def _combine_flags(flags) -> jax.Array:
+  """ANDs per-leaf bool flags into one bool scalar that XLA computes once.
 
-  ``inf * 0`` and ``NaN * 0`` are NaN and NaN survives the sum, while a sum of
-  zeros cannot overflow. One vectorised float reduction per leaf, which XLA
-  fuses with the producer of ``x`` (the unscaling multiply): about twice as
-  fast on CPU as ``all(isfinite(x))``, whose boolean reduction is not fused.
+  The flags are counted as float32 and the count goes through ``sqrt``
+  (``sqrt(n) == 0`` iff ``n == 0``), an operation XLA does not duplicate
+  into its consumers. A plain ``jnp.all(jnp.stack(flags))`` is rewritten
+  into a chain of scalar ``and``s that XLA copies into every fusion reading
+  the flag (each ``jnp.where`` of a train step), which makes compilation
+  quadratic in the number of leaves (~100x the plain step's compile time at
+  200 leaves on CPU).
+
+  Measured alternatives: ``sum(x * 0)`` per leaf (NaN iff non-finite) is
+  faster alone but, inside a train step on CPU, its float reduction over a
+  matmul's output costs ~8x more than the boolean ``all(isfinite(x))``.
   """
-  x = jnp.asarray(x)
-  return jnp.sum(x * jnp.zeros([], x.dtype)).astype(jnp.float32)
-
-
-def _finite_from_sums(sums) -> jax.Array:
-  """Combines per-leaf :func:`_nonfinite_sum` results into one bool scalar.
-
-  The ``sqrt`` (identity on +-0, NaN on NaN) is an operation XLA does not
-  duplicate into its consumers: without it the chain of per-leaf additions is
-  copied into every fusion that reads the flag (each ``jnp.where`` of the
-  step), which makes compilation quadratic in the number of leaves (~100x the
-  plain step's compile time at 200 leaves on CPU).
-  """
-  total = sums[0] if len(sums) == 1 else jnp.sum(jnp.stack(sums))
-  return jnp.isfinite(jnp.sqrt(total))
+  if len(flags) == 1:
+    return flags[0]
+  bad = jnp.sum(jnp.stack([~f for f in flags]).astype(jnp.float32))
+  return jnp.sqrt(bad) == np.float32(0)
 
 
 def unscale_and_check(grads: Any, scale: Any) -> Tuple[Any, jax.Array]:
