@@ -28,10 +28,16 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo_fp16.py --out $(OUT)
 
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py --out benchmarks/results
 
-bench-quick: $(STAMP)
+bench-quick: $(BENCH_STAMP)
 	$(PY) benchmarks/bench.py --quick --out benchmarks/results
 
 # Runs on a GPU machine with what is installed there (no network, no venv).
