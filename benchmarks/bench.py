@@ -391,6 +391,20 @@ def machine_info() -> Dict[str, Any]:
   }
 
 
+def _ratio_table(results, variants, last_header, cell, last_cell) -> List[str]:
+  """A markdown table: one row per model, one column per non-baseline variant."""
+  shown = [v for v in variants if v != "baseline"]
+  lines = [
+      "| model | " + " | ".join(VARIANT_LABELS[v] for v in shown) + f" | {last_header} |",
+      "|---|" + "---|" * len(variants),
+  ]
+  for r in results:
+    cells = [cell(r["variants"][v]) if v in r["variants"] else "not run" for v in shown]
+    last = last_cell(r["variants"]["baseline"])
+    lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {last} |")
+  return lines
+
+
 def markdown(results: List[Dict[str, Any]], info: Dict[str, Any], args) -> str:
   lines = [
       "# Loss-scaling overhead in a jitted train step",
@@ -403,46 +417,23 @@ def markdown(results: List[Dict[str, Any]], info: Dict[str, Any], args) -> str:
       f"batch {BATCH}, donated buffers. Median over {args.rounds} rounds (shuffled "
       "order) of the per-round step-time ratio to plain `optax.adam`; min..max in brackets.",
       "",
-      "| model | " + " | ".join(VARIANT_LABELS[v] for v in args.variants if v != "baseline")
-      + " | baseline ms/step |",
-      "|---|" + "---|" * len(args.variants),
   ]
-  for r in results:
-    cells = []
-    for v in args.variants:
-      if v == "baseline":
-        continue
-      s = r["variants"].get(v)
-      if s is None:
-        cells.append("not run")
-        continue
-      cells.append(f"{s['ratio_median']:.2f} [{s['ratio_min']:.2f}..{s['ratio_max']:.2f}]")
-    base = r["variants"]["baseline"]["step_ms_median"]
-    lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {base:.2f} |")
+  lines += _ratio_table(
+      results, args.variants, "baseline ms/step",
+      lambda s: f"{s['ratio_median']:.2f} [{s['ratio_min']:.2f}..{s['ratio_max']:.2f}]",
+      lambda b: f"{b['step_ms_median']:.2f}",
+  )
   lines += [
       "",
       "Compile time (`jax.jit(step).lower(...).compile()`), ratio to the baseline's "
       "(XLA compile only / trace+lower+compile); baseline seconds in the last column:",
       "",
-      "| model | " + " | ".join(VARIANT_LABELS[v] for v in args.variants if v != "baseline")
-      + " | baseline s |",
-      "|---|" + "---|" * len(args.variants),
   ]
-  for r in results:
-    cells = []
-    for v in args.variants:
-      if v == "baseline":
-        continue
-      s = r["variants"].get(v)
-      if s is None:
-        cells.append("not run")
-        continue
-      cells.append(f"{s['compile_ratio']:.2f} / {s['lower_compile_ratio']:.2f}")
-    b = r["variants"]["baseline"]
-    lines.append(
-        f"| {r['label']} | " + " | ".join(cells)
-        + f" | {b['compile_s']:.2f} / {b['lower_s'] + b['compile_s']:.2f} |"
-    )
+  lines += _ratio_table(
+      results, args.variants, "baseline s",
+      lambda s: f"{s['compile_ratio']:.2f} / {s['lower_compile_ratio']:.2f}",
+      lambda b: f"{b['compile_s']:.2f} / {b['lower_s'] + b['compile_s']:.2f}",
+  )
   lines += ["", "Per-variant detail:", ""]
   lines += [
       "| model | variant | ms/step (median) | ratio median [min..max] | compile s | lower s | final state |",
