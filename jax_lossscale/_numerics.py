@@ -12,7 +12,7 @@ import numpy as np
 # Scales above this have a subnormal float32 reciprocal, which XLA on CPU
 # flushes to zero; such scales are unscaled in two exact steps instead.
 _TWO_STEP_THRESHOLD = np.float32(2.0**126)
-_TWO_STEP_SHIFT = np.float32(2.0**-64)
+_TWO_STEP_SHIFT = np.float32(2.0**64)
 
 _LIMB = 12  # bits per limb of the integer product (12 x 12 bits fits int32).
 _LIMB_MASK = (1 << _LIMB) - 1
@@ -148,18 +148,20 @@ def scale_product(scale: jax.Array, factor: float) -> jax.Array:
 
 
 def reciprocal(scale: jax.Array) -> Tuple[jax.Array, jax.Array]:
-  """The unscaling factors ``(inv, shift)``: ``g * inv * shift == g / scale``.
+  """The unscaling factors ``(inv, shift)``: ``g * inv / shift == g / scale``.
 
   ``inv`` is the correctly rounded float32 reciprocal (torch's
   ``float32(1 / float64(scale))``; double rounding through float64 is exact for
   division) and ``shift`` is 1. For scales above 2**126 the reciprocal is
   subnormal and XLA on CPU flushes it to zero, which would silently zero every
-  gradient; there ``inv`` is ``2**64 / scale`` and ``shift`` is ``2**-64``.
+  gradient; there ``inv`` is ``2**64 / scale`` and ``shift`` is ``2**64``.
+  Dividing by a power of two is exact (up to the final rounding of a
+  subnormal result, which multiplying by ``2**-64`` would round the same way).
   """
   scale = jnp.asarray(scale, jnp.float32)
   big = scale > _TWO_STEP_THRESHOLD
   shift = jnp.where(big, _TWO_STEP_SHIFT, np.float32(1))
-  inv = np.float32(1) / jnp.where(big, scale * _TWO_STEP_SHIFT, scale)
+  inv = np.float32(1) / (scale / shift)
   return inv, shift
 
 
@@ -232,7 +234,13 @@ def unscale_and_check(grads: Any, scale: Any) -> Tuple[Any, jax.Array]:
     if not _is_float(g):
       return g
     dt = compute_dtype(jnp.result_type(g))  # g may be a Python float
-    return (jnp.asarray(g).astype(dt) * inv.astype(dt)) * shift.astype(dt)
+    # The division by ``shift`` (1, or 2**64 for huge scales) is exact. It is
+    # a division, not a multiply by 2**-64, on purpose: XLA does not copy an
+    # expensive op into each consumer, so on CPU every gradient is read once
+    # (often transposed, straight out of its weight-gradient matmul) instead
+    # of once by the check and once by each optimizer fusion. (XLA:GPU counts
+    # a float32 division as cheap and fuses it as before.)
+    return (jnp.asarray(g).astype(dt) * inv.astype(dt)) / shift.astype(dt)
 
   unscaled = jax.tree_util.tree_map(unscale, grads)
   return unscaled, all_finite(unscaled)
