@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._numerics import _is_float, compute_dtype, reciprocal, unscale_and_check
+from jax_lossscale._numerics import _is_float, compute_dtype, unscale_and_check
+from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state, skip_update
 from jax_lossscale._rule import update_scale
 from jax_lossscale._state import (
     MAX_F32,
@@ -50,62 +51,6 @@ def _combine_across(finite: jax.Array, axis_name) -> jax.Array:
   return bad == 0
 
 
-def _skip_update(u: Any) -> Any:
-  """The update of a skipped step: -0.0, so that ``p + u`` is ``p`` bit for bit."""
-  if _is_float(u):
-    return jnp.full(jnp.shape(u), -0.0, jnp.result_type(u))
-  return jnp.zeros_like(u)
-
-
-def _select_updates(finite: jax.Array, updates: Any, one: jax.Array) -> Any:
-  """``updates`` where ``finite``, else -0.0; each float leaf is computed once.
-
-  Dividing by ``one`` (exactly 1.0 at run time) is an identity, bit for bit,
-  that XLA treats as expensive and so does not copy into each consumer: the
-  update is written once, instead of being recomputed from the old optimizer
-  state inside the parameter update. See :func:`_after_updates`.
-  """
-
-  def select(u):
-    skipped = jnp.where(finite, u, _skip_update(u))
-    if not _is_float(u):
-      return skipped
-    return skipped / one.astype(jnp.result_type(u))
-
-  return jax.tree_util.tree_map(select, updates)
-
-
-_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def _after_updates(finite: jax.Array, updates: Any) -> jax.Array:
-  """``finite``, made to depend on one element of every float update leaf.
-
-  Selecting the new optimizer state writes it over the old one in place (its
-  buffers are donated). Whatever still reads the old state must run first,
-  or XLA copies the whole old state up front (~1/3 of the step on CPU). The
-  updates are computed from the old state, so a data dependency on them puts
-  every such read before the state is overwritten. ``(bits | 1) != 0`` is
-  always true, so the value is exactly ``finite``.
-  """
-  flags = []
-  for u in jax.tree_util.tree_leaves(updates):
-    if not _is_float(u) or jnp.size(u) == 0:
-      continue
-    width = jnp.result_type(u).itemsize
-    if width not in _BITS:
-      continue
-    bits = jax.lax.bitcast_convert_type(jnp.ravel(u)[0], _BITS[width])
-    flags.append((bits | 1) != 0)
-  if not flags:
-    return finite
-  return jnp.logical_and(finite, jnp.all(jnp.stack(flags)))
-
-
-def _select_state(finite: jax.Array, new: Any, old: Any) -> Any:
-  return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-
-
 def _loss_scale_transform(
     inner: optax.GradientTransformation,
     config: DynamicScaleConfig,
@@ -142,12 +87,12 @@ def _loss_scale_transform(
         updates,
         is_leaf=lambda x: x is None,
     )
-    # Exactly 1.0 at run time (``shift`` is 1 or 2**64); see _select_updates.
-    _, shift = reciprocal(state.loss_scale.scale)
-    one = shift / shift
-    new_updates = _select_updates(finite, new_updates, one)
-    new_inner = _select_state(
-        _after_updates(finite, new_updates), new_inner, state.inner_state
+    # See _skip.py: updates computed once, old state read before it is replaced.
+    skipped = jax.tree_util.tree_map(skip_update, new_updates)
+    one = exact_one(state.loss_scale.scale)
+    new_updates = select_once(finite, new_updates, skipped, one)
+    new_inner = select_state(
+        ordered_after(finite, new_updates), new_inner, state.inner_state
     )
     new_scale = update_scale(state.loss_scale, finite)
     return new_updates, LossScaleState(loss_scale=new_scale, inner_state=new_inner)

@@ -28,6 +28,7 @@ from flax.training import train_state
 
 from jax_lossscale._numerics import _is_float, all_finite, compute_dtype, unscale_and_check
 from jax_lossscale._rule import update_scale
+from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state
 from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._transform import _promote, get_scale_state, scale_loss
 
@@ -137,10 +138,6 @@ def _apply_updates(params: Any, updates: Any) -> Any:
     return (p.astype(dt) + jnp.asarray(u).astype(dt)).astype(p.dtype)
 
   return jax.tree_util.tree_map(apply, params, updates, is_leaf=lambda x: x is None)
-
-
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _has_scale_state(tree: Any) -> bool:
@@ -285,10 +282,17 @@ class TrainState(train_state.TrainState):
     new_params = _apply_updates(params_with_opt, updates)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+    # See jax_lossscale/_skip.py: new params computed once, and the old
+    # optimizer state read (by that computation) before it is replaced.
+    new_params = select_once(
+        finite, new_params, self.params, exact_one(self.dynamic_scale.scale)
+    )
     return self.replace(
         step=jnp.where(finite, self.step + 1, self.step),
-        params=_select(finite, new_params, self.params),
-        opt_state=_select(finite, new_opt_state, self.opt_state),
+        params=new_params,
+        opt_state=select_state(
+            ordered_after(finite, new_params), new_opt_state, self.opt_state
+        ),
         dynamic_scale=update_scale(self.dynamic_scale, finite),
         **kwargs,
     )
