@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale._numerics import _is_float, reciprocal
+from jax_lossscale._numerics import _combine_flags, _is_float, reciprocal
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
@@ -89,7 +89,9 @@ def ordered_after(pred: jax.Array, tree: Any) -> jax.Array:
     flags.append((bits | 1) != 0)
   if not flags:
     return pred
-  return jnp.logical_and(pred, jnp.all(jnp.stack(flags)))
+  # Combined as all_finite combines its flags: a plain chain of 200 ``and``s
+  # would be copied into every select and make compilation quadratic.
+  return _combine_flags([jnp.asarray(pred)] + flags)
 
 
 def select_state(pred: jax.Array, new: Any, old: Any) -> Any:
