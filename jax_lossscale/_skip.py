@@ -6,7 +6,7 @@ so the new state is ``where(finite, new, old)``. Written naively, XLA on CPU
 consumer, so the parameter update reads the *old* state after the state
 select has already overwritten it in place (its buffers are donated); XLA
 then copies the whole old optimizer state at the start of the step. Two
-rules avoid that, both exact:
+rules avoid that for every leaf of at least ``LARGE`` elements, both exact:
 
 * :func:`select_once`: the selected values are divided by :func:`exact_one`.
   Dividing by 1.0 is an identity bit for bit, but XLA counts a division as
@@ -30,6 +30,10 @@ import jax.numpy as jnp
 from jax_lossscale._numerics import _combine_flags, _is_float, reciprocal
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+# Leaves with fewer elements are left to XLA: copying them is cheap, and the
+# extra fusions would cost more than they save (measured on a 200-leaf model
+# of 100x100 layers: step 1.32x -> 1.25x, compile 2.3x -> 2.0x the plain step).
+LARGE = 1 << 16
 
 
 def exact_one(scale: jax.Array) -> jax.Array:
@@ -64,7 +68,7 @@ def select_once(pred: jax.Array, new: Any, old: Any, one: jax.Array) -> Any:
 
   def select(a, b):
     out = jnp.where(pred, a, b)
-    if not _is_float(out):
+    if not _is_float(out) or jnp.size(out) < LARGE:
       return out
     return out / one.astype(out.dtype)
 
@@ -80,7 +84,7 @@ def ordered_after(pred: jax.Array, tree: Any) -> jax.Array:
   """
   flags = []
   for x in jax.tree_util.tree_leaves(tree):
-    if not _is_float(x) or jnp.size(x) == 0:
+    if not _is_float(x) or jnp.size(x) < LARGE:
       continue
     width = jnp.result_type(x).itemsize
     if width not in _BITS:

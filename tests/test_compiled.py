@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu", reason="the copies are an XLA:CPU property"
 )
 
-WIDTHS = [64, 128, 96, 10]
-BIG = 64 * 10  # any array at least this large counts as "full size"
+from jax_lossscale._skip import LARGE
+
+WIDTHS = [256, 512, 256, 10]  # two weight matrices of 2 * LARGE elements
+BIG = LARGE  # smaller leaves are left to XLA (copying them is cheap)
 _COPY = re.compile(r"=\s*\w+\[([0-9,]*)\]\{[^}]*\}\s+copy\(")
 
 
