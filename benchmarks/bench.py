@@ -6,10 +6,14 @@ state) in one process:
 
 * ``baseline``: plain ``optax.adam``, no loss scaling;
 * ``jax_lossscale``: ``jax_lossscale.dynamic_loss_scale(optax.adam(...))``;
+* ``jls_trainstate``: ``jax_lossscale.flax.TrainState`` (scaler as a field);
 * ``flax``: ``flax.training.dynamic_scale.DynamicScale`` with the
   ``jnp.where`` skip of Flax's ImageNet example;
 * ``jmp``: ``jmp.DynamicLossScale`` with ``jmp.select_tree``;
-* ``optax_aif``: ``optax.apply_if_finite`` with a static loss scale.
+* ``optax_aif``: ``optax.apply_if_finite`` with a static loss scale;
+* ``cond_ref``: not a peer and not shipped: this library's scaler with the
+  inner update skipped by ``lax.cond`` instead of ``jnp.where``, to show what
+  the ``jnp.where`` design costs on this backend.
 
 Compilation (``jax.jit(step).lower(...).compile()``) and warm-up happen
 outside the timing. Then, in rounds, the variants run in a shuffled order, K
@@ -71,7 +75,7 @@ LABELS = {
     "deep-30m": "100 layers ~30M params, 200 leaves",
     "deep400-1m": "400 layers ~1M params, 800 leaves",
 }
-VARIANTS = ["baseline", "jax_lossscale", "flax", "jmp", "optax_aif"]
+VARIANTS = ["baseline", "jax_lossscale", "jls_trainstate", "flax", "jmp", "optax_aif", "cond_ref"]
 PEERS = ["flax", "jmp", "optax_aif"]
 # (model, variant) pairs left out of --quick: jmp's per-leaf all_finite makes
 # XLA's compile time quadratic in the leaf count (~2 minutes at 200 leaves on
@@ -80,9 +84,11 @@ QUICK_SKIP = {("deep-1m", "jmp")}
 VARIANT_LABELS = {
     "baseline": "plain optax.adam",
     "jax_lossscale": "jax_lossscale.dynamic_loss_scale",
+    "jls_trainstate": "jax_lossscale.flax.TrainState",
     "flax": "Flax DynamicScale + where",
     "jmp": "jmp DynamicLossScale + select_tree",
     "optax_aif": "optax.apply_if_finite (static scale)",
+    "cond_ref": "reference: same scaler, lax.cond skip (not shipped)",
 }
 
 
@@ -243,6 +249,47 @@ def make_variant(name: str) -> Variant:
         step,
         lambda s: {"skipped_steps": int(s[1].total_notfinite), "scale": STATIC_SCALE},
     )
+
+  if name == "jls_trainstate":
+    from jax_lossscale import flax as jls_flax
+
+    def init(p):
+      return jls_flax.TrainState.create(
+          apply_fn=None, params=p, tx=tx,
+          dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
+      )
+
+    def step(state, x, y):
+      out = state.value_and_grad(loss_fn)(state.params, x, y)
+      return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+
+    return Variant(init, step, lambda s: {"scale": float(s.dynamic_scale.scale)})
+
+  if name == "cond_ref":
+    inner = tx
+
+    def init(p):
+      return (p, inner.init(p), jls.DynamicScaleState.create(init_scale=INIT_SCALE))
+
+    def step(state, x, y):
+      params, opt_state, ds = state
+
+      def scaled(p):
+        loss = loss_fn(p, x, y)
+        return jls.scale_loss(loss, ds), loss
+
+      grads, loss = jax.grad(scaled, has_aux=True)(params)
+      grads, finite = jls.unscale_and_check(grads, ds)
+
+      def apply(operands):
+        params, opt_state = operands
+        updates, opt_state = inner.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+      params, opt_state = jax.lax.cond(finite, apply, lambda o: o, (params, opt_state))
+      return (params, opt_state, jls.update_scale(ds, finite)), loss
+
+    return Variant(init, step, lambda s: {"scale": float(s[2].scale), "skipped_steps": int(s[2].skipped_steps)})
 
   raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}.")
 
