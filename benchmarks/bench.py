@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -515,6 +516,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if "baseline" not in args.variants:
     args.variants = ["baseline"] + list(args.variants)
+  if "jmp" in args.variants and importlib.util.find_spec("jmp") is None:
+    print("jmp is not installed (pip install -e '.[bench]'): its column is left out", flush=True)
+    args.variants = [v for v in args.variants if v != "jmp"]
   models = args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS)
   if args.rounds is None:
     args.rounds = 15 if args.quick else 21
