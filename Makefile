@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast demo bench bench-quick gpu-check clean
+.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
@@ -13,6 +13,7 @@ help:
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the two ~1M-parameter benchmark models only (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
+	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,12 @@ bench-quick: $(BENCH_STAMP)
 # Runs on a GPU machine with what is installed there (no network, no venv).
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
+
+# The quick benchmark on that machine (jmp left out if missing); writes
+# bench-gpu-quick.{md,json} to $(BENCH_OUT).
+BENCH_OUT ?= benchmarks/results
+gpu-bench:
+	PYTHONPATH=. $(PYTHON) benchmarks/bench.py --quick --name bench-gpu-quick --out $(BENCH_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache $(OUT)
