@@ -86,6 +86,34 @@ def test_clean_steps_equal_inner_on_unscaled_grads(maybe_jit, adam_promotion):
     assert_bit_identical(s_tx.inner_state, s_in)
 
 
+def test_large_leaves_skip_bit_identically_and_update_like_inner(maybe_jit, adam_promotion):
+  """Leaves of at least _skip.LARGE elements take the copy-free skip on CPU."""
+  from jax_lossscale._skip import LARGE
+
+  rng = np.random.default_rng(1)
+  params = {
+      "w": jnp.asarray(rng.normal(size=(256, LARGE // 128)), jnp.float32),  # 2 * LARGE
+      "b": jnp.zeros((LARGE // 128,), jnp.float32),
+  }
+  inner = optax.adam(1e-2)
+  tx = jls.dynamic_loss_scale(inner, init_scale=1024.0)
+  s_tx, s_in = tx.init(params), inner.init(params)
+  p_tx = p_in = params
+  for _ in range(3):
+    g = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    scaled = jax.tree_util.tree_map(lambda x: x * jnp.float32(1024.0), g)  # exact
+    u_tx, s_tx = maybe_jit(tx.update)(scaled, s_tx, p_tx)
+    u_in, s_in = maybe_jit(inner.update)(g, s_in, p_in)
+    p_tx, p_in = optax.apply_updates(p_tx, u_tx), optax.apply_updates(p_in, u_in)
+  for a, b in zip(jax.tree_util.tree_leaves((p_tx, s_tx.inner_state)), jax.tree_util.tree_leaves((p_in, s_in))):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+  bad = jax.tree_util.tree_map(lambda p: p.at[(0,) * p.ndim].set(jnp.inf), p_tx)
+  updates, s_bad = maybe_jit(tx.update)(bad, s_tx, p_tx)
+  assert_bit_identical(optax.apply_updates(p_tx, updates), p_tx)
+  assert_bit_identical(s_bad.inner_state, s_tx.inner_state)
+  assert int(s_bad.loss_scale.skipped_steps) == 1
+
+
 def test_no_recompilation_and_no_dtype_drift(adam_promotion):
   traces = []
   tx = jls.dynamic_loss_scale(optax.adam(1e-3), init_scale=8.0, growth_interval=2)
