@@ -16,10 +16,11 @@ rules avoid that for every leaf of at least ``LARGE`` elements, both exact:
   dependency on one element of every leaf selected by :func:`select_once`,
   so everything that reads the old state runs before it is overwritten.
 
-Both rules work around XLA:CPU; other backends fuse the select with the
-update (multi-output fusion) and get a plain ``jnp.where``, which the rules
-would only slow down. The choice is made at trace time from
-``jax.default_backend()`` and changes no value, only the compiled schedule.
+Both rules work around XLA:CPU. Other backends have multi-output fusion,
+which can put the select in the same kernel as the update, so they get a
+plain ``jnp.where`` (the rules are unmeasured there and could only add work).
+The choice is made at trace time from ``jax.default_backend()``; it changes
+no value, only the compiled schedule.
 
 No ``lax.cond`` and no host control flow: every branch is a ``jnp.where``.
 Measured by ``benchmarks/bench.py``; checked by ``tests/test_compiled.py``.
