@@ -10,8 +10,8 @@ import numpy as np
 import optax
 
 from jax_lossscale._numerics import _is_float, compute_dtype, unscale_and_check
-from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state, skip_update
 from jax_lossscale._rule import update_scale
+from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state, skip_update
 from jax_lossscale._state import (
     MAX_F32,
     MIN_NORMAL_F32,
