@@ -128,6 +128,16 @@ def loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+def scaled_loss_fn(scale_state, x, y):
+  """``p -> (jax_lossscale.scale_loss(loss), loss)``, for ``jax.grad(..., has_aux=True)``."""
+
+  def scaled(p):
+    loss = loss_fn(p, x, y)
+    return jls.scale_loss(loss, scale_state), loss
+
+  return scaled
+
+
 # ----------------------------------------------------------------------------- variants
 
 
@@ -157,11 +167,7 @@ def make_variant(name: str) -> Variant:
     def step(state, x, y):
       params, opt_state = state
 
-      def scaled(p):
-        loss = loss_fn(p, x, y)
-        return jls.scale_loss(loss, opt_state), loss
-
-      grads, loss = jax.grad(scaled, has_aux=True)(params)
+      grads, loss = jax.grad(scaled_loss_fn(opt_state, x, y), has_aux=True)(params)
       updates, opt_state = stx.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), loss
 
@@ -267,24 +273,19 @@ def make_variant(name: str) -> Variant:
     return Variant(init, step, lambda s: {"scale": float(s.dynamic_scale.scale)})
 
   if name == "cond_ref":
-    inner = tx
 
     def init(p):
-      return (p, inner.init(p), jls.DynamicScaleState.create(init_scale=INIT_SCALE))
+      return (p, tx.init(p), jls.DynamicScaleState.create(init_scale=INIT_SCALE))
 
     def step(state, x, y):
       params, opt_state, ds = state
 
-      def scaled(p):
-        loss = loss_fn(p, x, y)
-        return jls.scale_loss(loss, ds), loss
-
-      grads, loss = jax.grad(scaled, has_aux=True)(params)
+      grads, loss = jax.grad(scaled_loss_fn(ds, x, y), has_aux=True)(params)
       grads, finite = jls.unscale_and_check(grads, ds)
 
       def apply(operands):
         params, opt_state = operands
-        updates, opt_state = inner.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
       params, opt_state = jax.lax.cond(finite, apply, lambda o: o, (params, opt_state))
