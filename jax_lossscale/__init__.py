@@ -3,6 +3,10 @@
 from jax_lossscale._accumulation import multi_steps as multi_steps
 from jax_lossscale._checkpoint import check_scale_config as check_scale_config
 from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
+from jax_lossscale._diagnostics import UnderflowReport as UnderflowReport
+from jax_lossscale._diagnostics import check_underflow as check_underflow
+from jax_lossscale._diagnostics import grad_diagnostics as grad_diagnostics
+from jax_lossscale._diagnostics import grad_leaf_names as grad_leaf_names
 from jax_lossscale._guard import LossScaleError as LossScaleError
 from jax_lossscale._guard import check_skips as check_skips
 from jax_lossscale._metrics import metrics as metrics
@@ -30,13 +34,17 @@ __all__ = (
     "DynamicScaleState",
     "LossScaleError",
     "LossScaleState",
+    "UnderflowReport",
     "all_finite",
     "check_scale_config",
     "check_skips",
+    "check_underflow",
     "dynamic_loss_scale",
     "fp16_roundtrip",
     "from_torch_state_dict",
     "get_scale_state",
+    "grad_diagnostics",
+    "grad_leaf_names",
     "metrics",
     "multi_steps",
     "no_loss_scale",
