@@ -3,7 +3,10 @@
 * Eight CPU devices (for the multi-device tests), set before JAX is imported.
 * ``jax_numpy_dtype_promotion="strict"``: no silent dtype promotion anywhere.
 * ``maybe_jit``: run a test's function both eagerly and under ``jax.jit``.
-* In CI (``CI=true``) tests marked ``torch`` may not be skipped: missing torch fails.
+* In CI (``CI=true``) no test may be skipped for a missing optional dependency
+  that ``make test`` installs (torch, hypothesis, orbax, scikit-learn,
+  matplotlib, flax, equinox, chex): :func:`import_optional` fails there, and
+  ``pytest.importorskip`` of one of them is turned into a failure too.
 """
 
 import os
@@ -11,6 +14,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import importlib  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -33,15 +39,68 @@ def has_cuda() -> bool:
     return False
 
 
+#: Optional test dependencies that ``make test`` installs (the ``test`` extra),
+#: by import name. In CI a test that needs one of them fails when it is missing.
+REQUIRED_IN_CI = (
+    "torch", "hypothesis", "orbax", "sklearn", "matplotlib", "flax", "equinox", "chex",
+)
+
+
+def in_ci() -> bool:
+  """Whether the suite runs in CI (``CI`` set to ``1``, ``true`` or ``yes``)."""
+  return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def import_optional(name: str):
+  """Imports module ``name``; skips the test if it is missing, but fails in CI.
+
+  Use it instead of ``pytest.importorskip`` for the dependencies in
+  :data:`REQUIRED_IN_CI`: a missing install step in CI must not turn a whole
+  file of tests into silent skips.
+  """
+  try:
+    return importlib.import_module(name)
+  except ImportError as e:
+    if in_ci() and name.split(".")[0] in REQUIRED_IN_CI:
+      pytest.fail(f"{name} is required in CI (it is in the test extra): {e}", pytrace=False)
+    pytest.skip(f"{name} is not installed")
+
+
 def import_torch():
   """Imports torch; skips the test outside CI if torch is missing, fails in CI."""
-  try:
-    import torch  # noqa: F401
-  except ImportError:
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-      pytest.fail("torch is required in CI for the PyTorch conformance tests")
-    pytest.skip("torch is not installed")
-  return torch
+  return import_optional("torch")
+
+
+def _missing_required_module(report) -> str:
+  """The REQUIRED_IN_CI module whose ``importorskip`` skipped ``report``, or ``""``."""
+  if not report.skipped or not isinstance(report.longrepr, tuple):
+    return ""
+  match = re.match(r"(?:Skipped: )?could not import '([\w.]+)'", str(report.longrepr[2]))
+  if match and match.group(1).split(".")[0] in REQUIRED_IN_CI:
+    return match.group(1)
+  return ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+  """In CI, a module-level ``importorskip`` of a required dependency fails the module."""
+  outcome = yield
+  report = outcome.get_result()
+  name = _missing_required_module(report) if in_ci() else ""
+  if name:
+    report.outcome = "failed"
+    report.longrepr = f"{name} is required in CI (it is in the test extra); importorskip skipped it"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """In CI, an ``importorskip`` of a required dependency inside a test fails it."""
+  outcome = yield
+  report = outcome.get_result()
+  name = _missing_required_module(report) if in_ci() else ""
+  if name:
+    report.outcome = "failed"
+    report.longrepr = f"{name} is required in CI (it is in the test extra); importorskip skipped it"
 
 
 def standard_promotion():

@@ -36,3 +36,53 @@ def test_defaults_match_torch_gradscaler_signature():
   assert sig["growth_factor"].default == 2.0
   assert sig["backoff_factor"].default == 0.5
   assert sig["growth_interval"].default == 2000
+
+
+_MISSING_DEPENDENCY_TESTS = '''
+import pytest
+from conftest import import_optional
+
+def test_import_optional():
+  import_optional("chex.no_such_module")
+
+def test_importorskip_inside_a_test():
+  pytest.importorskip("sklearn.no_such_module")
+
+def test_importorskip_of_a_dependency_make_test_does_not_install():
+  pytest.importorskip("jmp_no_such_module")
+'''
+
+
+def _run_missing_dependency_tests(tmp_path, ci):
+  import os
+  import shutil
+  import subprocess
+  import sys
+
+  shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
+  (tmp_path / "test_missing.py").write_text(_MISSING_DEPENDENCY_TESTS)
+  (tmp_path / "test_missing_module.py").write_text(
+      "import pytest\npytest.importorskip('hypothesis.no_such_module')\n"
+      "def test_never_collected():\n  pass\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "CI"}
+  if ci:
+    env["CI"] = "true"
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+       "--continue-on-collection-errors", str(tmp_path)],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+  )
+  return out.stdout
+
+
+def test_missing_test_dependencies_fail_in_ci_and_skip_elsewhere(tmp_path):
+  """Under CI=true a missing dependency of the test extra fails; jmp (not in it) skips."""
+  ci = _run_missing_dependency_tests(tmp_path, ci=True)
+  assert "FAILED test_missing.py::test_import_optional" in ci, ci
+  assert "FAILED test_missing.py::test_importorskip_inside_a_test" in ci, ci
+  assert "ERROR test_missing_module.py" in ci, ci
+  assert "SKIPPED [1] test_missing.py" in ci and "jmp_no_such_module" in ci, ci
+  assert "2 failed, 1 skipped, 1 error" in ci, ci
+  local = _run_missing_dependency_tests(tmp_path, ci=False)
+  assert "4 skipped" in local and "failed" not in local and "error" not in local, local
