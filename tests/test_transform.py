@@ -70,11 +70,15 @@ def test_skipped_step_leaves_params_and_adam_state_bit_identical(
   for _ in range(2):
     updates, state = update(grads_like(params, 4.0), state, params)
     params = optax.apply_updates(params, updates)
+  # A -0.0 param right before the skip: only -0.0 updates keep it bit for bit
+  # (after the two Adam steps no param is -0.0 any more).
+  params = {**params, "w": params["w"].at[0, 1].set(-0.0)}
   before_params, before_inner = params, state.inner_state
   bad = grads_like(params, 1.0)
   bad = {"w": bad["w"].at[0, 1].set(jnp.nan), "b": bad["b"].at[0].set(jnp.inf)}
   updates, state = update(bad, state, params)
   params = optax.apply_updates(params, updates)
+  assert np.signbit(np.asarray(params["w"])[0, 1]) and params["w"][0, 1] == 0.0
   assert_bit_identical(params, before_params)
   assert_bit_identical(state.inner_state, before_inner)
   assert int(state.inner_state[0].count) == 2  # Adam's count did not advance
@@ -201,6 +205,29 @@ def test_overflow_created_by_unscaling_is_caught():
   u, state = tx.update(big, tx.init(p), p)
   assert np.isfinite(np.asarray(optax.apply_updates(p, u))).all()
   assert int(state.loss_scale.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("tracker", [2, 3, 10])
+def test_growth_when_the_tracker_reaches_or_passes_the_interval(tracker, maybe_jit):
+  """Growth rule ``tracker + 1 >= interval`` (torch: ``==``): a state loaded with a
+  tracker at or past the interval grows on its next clean step and resets."""
+  s = jls.DynamicScaleState.create(init_scale=8.0, growth_interval=3)
+  s = s.replace(growth_tracker=jnp.asarray(tracker, jnp.int32))
+  out = maybe_jit(jls.update_scale)(s, True)
+  assert float(out.scale) == 16.0 and int(out.growth_tracker) == 0
+  # The same through the Optax wrapper, with a state from a longer interval.
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=3)
+  p = {"w": jnp.zeros(2, jnp.float32)}
+  state = tx.init(p)
+  state = state._replace(loss_scale=state.loss_scale.replace(
+      growth_tracker=jnp.asarray(tracker, jnp.int32)))
+  u, state = maybe_jit(tx.update)({"w": jnp.full(2, 8.0, jnp.float32)}, state, p)
+  np.testing.assert_array_equal(u["w"], [-1.0, -1.0])  # unscaled by 8, the scale used
+  assert float(state.loss_scale.scale) == 16.0 and int(state.loss_scale.growth_tracker) == 0
+  # One short of the interval: counts up, no growth.
+  s = s.replace(growth_tracker=jnp.asarray(1, jnp.int32))
+  out = maybe_jit(jls.update_scale)(s, True)
+  assert float(out.scale) == 8.0 and int(out.growth_tracker) == 2
 
 
 def test_scale_never_below_min_scale():
