@@ -1,0 +1,234 @@
+"""grad_diagnostics (per-leaf float16 headroom, jit-safe) and check_underflow."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+
+F16_SUB = float(2.0**-15)  # a float16 subnormal
+F16_TINY = float(2.0**-14)  # the smallest normal float16: not counted
+
+
+def _grads():
+  return {
+      "layers_0": {
+          "attn": {"kernel": jnp.array([4.0, -0.0, F16_SUB, F16_TINY, -8.0], jnp.float16)},
+      },
+      "bad": jnp.array([1.0, jnp.inf, jnp.nan, -2.0], jnp.float32),
+      "zeros": jnp.zeros((3,), jnp.float32),
+      "big": [jnp.array([[16376.0, -1e-7]], jnp.float32)],
+      "step": jnp.int32(7),  # ignored: not floating point
+      "none": None,
+  }
+
+
+def test_leaf_names_follow_flattening_order():
+  assert jls.grad_leaf_names(_grads()) == [
+      "bad", "big/0", "layers_0/attn/kernel", "zeros",
+  ]
+  assert jls.grad_leaf_names(jnp.ones(2)) == ["leaf"]
+  assert jls.grad_leaf_names({"i": jnp.int32(1)}) == []
+
+
+def test_exact_values(maybe_jit):
+  d = maybe_jit(jls.grad_diagnostics)(_grads(), jnp.float32(4.0))
+  d = {k: np.asarray(v) for k, v in d.items()}
+  names = jls.grad_leaf_names(_grads())
+  assert set(d) == {f"{n}/{s}" for n in names for s in
+                    ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")} | {
+                        "min_headroom", "min_headroom_leaf", "nonfinite"}
+  k = "layers_0/attn/kernel"
+  assert d[f"{k}/max_abs"] == np.float32(2.0)  # 8 / 4, the finite maximum, unscaled
+  assert d[f"{k}/nonfinite"] == 0
+  # log2 of a non-power of two: XLA's and NumPy's may differ in the last bit.
+  assert d[f"{k}/headroom"] == pytest.approx(np.log2(65504.0 / 8.0), rel=1e-6)
+  assert d[f"{k}/subnormal_or_zero"] == np.float32(0.4)  # -0.0 and 2**-15; 2**-14 is normal
+  # inf and NaN: counted, excluded from the maximum, headroom -inf.
+  assert d["bad/max_abs"] == np.float32(0.5)
+  assert d["bad/nonfinite"] == 2
+  assert d["bad/headroom"] == -np.inf
+  assert d["bad/subnormal_or_zero"] == 0.0
+  # All zeros: nothing can overflow.
+  assert d["zeros/max_abs"] == 0.0 and d["zeros/headroom"] == np.inf
+  assert d["zeros/subnormal_or_zero"] == 1.0
+  # 65504 / 16376 == 4: exactly two doublings left.
+  assert d["big/0/headroom"] == 2.0
+  assert d["big/0/max_abs"] == np.float32(4094.0)
+  assert d["big/0/subnormal_or_zero"] == 0.5
+  assert d["min_headroom"] == -np.inf
+  assert names[int(d["min_headroom_leaf"])] == "bad"
+  assert d["nonfinite"] == 2
+  for key, v in d.items():
+    assert v.shape == (), key
+    want = np.int32 if key.endswith(("nonfinite", "_leaf")) else np.float32
+    assert v.dtype == want, (key, v.dtype)
+
+
+def test_limiting_leaf_without_overflow(maybe_jit):
+  g = _grads()
+  del g["bad"]
+  d = maybe_jit(jls.grad_diagnostics)(g, jls.DynamicScaleState.create(init_scale=4.0))
+  assert float(d["min_headroom"]) == 2.0
+  assert jls.grad_leaf_names(g)[int(d["min_headroom_leaf"])] == "big/0"
+  assert int(d["nonfinite"]) == 0
+  # Doubling the scale (and so the scaled gradients) twice reaches exactly 65504.
+  g4 = jax.tree_util.tree_map(lambda x: x * 4 if jnp.issubdtype(x.dtype, jnp.floating) else x, g)
+  d4 = maybe_jit(jls.grad_diagnostics)(g4, jnp.float32(16.0))
+  assert float(d4["min_headroom"]) == 0.0
+  assert float(d4["big/0/max_abs"]) == 4094.0  # the true magnitude does not change
+
+
+def test_headroom_negative_above_float16_max_in_float32_grads():
+  d = jls.grad_diagnostics({"w": jnp.array([65504.0 * 8], jnp.float32)}, 1.0)
+  assert float(d["w/headroom"]) == -3.0
+
+
+def test_empty_and_int_only_trees():
+  for tree in ({}, {"i": jnp.int32(1)}, [None]):
+    d = jls.grad_diagnostics(tree, 1.0)
+    assert set(d) == {"min_headroom", "min_headroom_leaf", "nonfinite"}
+    assert float(d["min_headroom"]) == np.inf and int(d["min_headroom_leaf"]) == -1
+
+
+def test_duplicate_names_raise():
+  with pytest.raises(ValueError, match="two leaves named 'a/b'"):
+    jls.grad_diagnostics({"a/b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, 1.0)
+
+
+def test_bfloat16_and_float64_leaves():
+  g = {"b": jnp.array([256.0, 0.0], jnp.bfloat16)}
+  d = jls.grad_diagnostics(g, 2.0)
+  assert float(d["b/max_abs"]) == 128.0 and float(d["b/headroom"]) == pytest.approx(np.log2(65504 / 256), rel=1e-6)
+  assert d["b/max_abs"].dtype == jnp.float32
+
+
+def _slow(x, n):
+  def body(_, m):
+    return jnp.tanh(m @ m) * 0.5
+
+  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
+  return x + jnp.zeros_like(x) * m[0, 0]
+
+
+def test_no_host_sync():
+  slow = jax.jit(_slow, static_argnums=1)
+  diag = jax.jit(jls.grad_diagnostics)
+  g = {"a": jnp.ones((64, 64), jnp.float16), "b": jnp.ones((8,), jnp.float32)}
+  jax.block_until_ready(diag(g, 2.0))
+  n = 64
+  jax.block_until_ready(slow(g["b"], n))
+  t0 = time.perf_counter()
+  jax.block_until_ready(slow(g["b"], n))
+  n = int(min(max(n * 1.0 / max(time.perf_counter() - t0, 1e-4), 64), 1_000_000))
+  jax.block_until_ready(slow(g["b"], n))  # compile at that length
+
+  t0 = time.perf_counter()
+  b = slow(g["b"], n)
+  with jax.transfer_guard_device_to_host("disallow"):
+    d = diag({"a": g["a"], "b": b}, jnp.float32(2.0))
+  call_s = time.perf_counter() - t0
+  still_running = not b.is_ready() and not d["min_headroom"].is_ready()
+  jax.block_until_ready(d)
+  total_s = time.perf_counter() - t0
+  assert still_running, (call_s, total_s)
+  assert call_s < total_s / 2, (call_s, total_s)
+  assert float(d["b/max_abs"]) == 0.5
+
+
+# ----------------------------------------------------------------------------
+# check_underflow
+
+
+def _elementwise_loss(p, c, dtype):
+  """The gradient w.r.t. ``p["w"]`` is ``c * scale`` rounded to ``dtype``, unscaled."""
+  return jnp.sum(p["w"].astype(dtype).astype(jnp.float32) * c)
+
+
+def test_counts_exactly_which_elements_float16_loses(maybe_jit):
+  # 1e-9: below float16's smallest subnormal (flushed); 1e-7: a subnormal
+  # (kept); 1e-3 kept; 0.0 is zero in float32 too (not counted).
+  c = jnp.array([1e-9, 1e-7, 1e-3, 0.0], jnp.float32)
+  params = {"w": jnp.ones(4, jnp.float32)}
+  check = maybe_jit(lambda p, b: jls.check_underflow(_elementwise_loss, p, b))
+  r = check(params, c)
+  assert int(r.nonzero["w"]) == 3
+  assert int(r.lost_unscaled["w"]) == 1
+  assert int(r.lost_scaled["w"]) == 0  # 1e-9 * 2**16 is a float16 normal
+  assert bool(r.finite_unscaled) and bool(r.finite_scaled)
+  assert float(r.scale) == 2.0**16
+  assert r.fractions() == {"w": 1 / 3} and r.fractions(scaled=True) == {"w": 0.0}
+  assert r.nonzero["w"].dtype == jnp.int32
+  assert r.needs_loss_scaling()
+  assert r.verdict().startswith("NEEDS loss scaling: float16 without loss scaling flushes 33.33%")
+  assert "0.00% at scale 2^16" in r.verdict()
+  assert "w" in r.table() and "33.333%" in r.table()
+
+
+def test_scaled_backward_that_overflows_is_reported():
+  c = jnp.array([1e-9, 1.0], jnp.float32)  # 1.0 * 2**16 overflows float16
+  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c)
+  assert bool(r.finite_unscaled) and not bool(r.finite_scaled)
+  assert "scale 2^16 overflows" in r.verdict()
+  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c * 1e5)
+  assert not bool(r.finite_unscaled)
+  assert r.verdict().startswith("float16 overflows even without scaling")
+
+
+def _mlp_loss(factor):
+  def loss_fn(p, batch, dtype):
+    x, y = batch
+    h = jnp.tanh(x.astype(dtype) @ p["l1"]["w"].astype(dtype) + p["l1"]["b"].astype(dtype))
+    out = h @ p["l2"]["w"].astype(dtype)
+    return jnp.mean(jnp.square(out.astype(jnp.float32) - y)) * np.float32(factor)
+
+  return loss_fn
+
+
+def _mlp_setup(param_dtype=jnp.float32):
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  params = {
+      "l1": {"w": jax.random.normal(k1, (8, 16)) / 3, "b": jnp.zeros(16)},
+      "l2": {"w": jax.random.normal(k2, (16, 1)) / 4},
+  }
+  params = jax.tree_util.tree_map(lambda x: x.astype(param_dtype), params)
+  x = jax.random.normal(k3, (32, 8))
+  return params, (x, jnp.sin(x[:, :1]))
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.float16])
+def test_known_answer_both_ways(param_dtype):
+  params, batch = _mlp_setup(param_dtype)
+  # A loss of order 1: float16 keeps essentially every gradient element.
+  fine = jls.check_underflow(_mlp_loss(1.0), params, batch)
+  assert fine.total() < 0.01, fine.table()
+  assert not fine.needs_loss_scaling()
+  assert fine.verdict().startswith("does not need loss scaling here")
+  # The same model with a loss ~1e-9 smaller: every gradient flushes to 0
+  # without scaling, none with 2**16 ... 2**40.
+  tiny = jls.check_underflow(_mlp_loss(1e-9), params, batch, scale=2.0**40)
+  assert tiny.total() == 1.0 and tiny.total(scaled=True) < 0.01, tiny.table()
+  assert tiny.needs_loss_scaling()
+  assert tiny.verdict().startswith("NEEDS loss scaling")
+  assert set(tiny.nonzero) == {"l1/b", "l1/w", "l2/w"}
+  assert tiny.total(prefix="l1/") == 1.0
+
+
+def test_activation_gradients_through_taps():
+  params, batch = _mlp_setup()
+
+  def loss_fn(p, b, dtype):
+    x, y = b
+    h = x.astype(dtype) @ p["params"]["l1"]["w"].astype(dtype) + p["taps"].astype(dtype)
+    out = jnp.tanh(h) @ p["params"]["l2"]["w"].astype(dtype)
+    return jnp.mean(jnp.square(out.astype(jnp.float32) - y)) * np.float32(1e-4)
+
+  p = {"params": params, "taps": jnp.zeros((32, 16), jnp.float32)}
+  r = jls.check_underflow(loss_fn, p, batch)
+  assert int(r.nonzero["taps"]) == 32 * 16
+  # Per-example activation gradients are 1/32 of the batch-mean loss's: many flush.
+  assert r.total(prefix="taps") > r.total(prefix="params")
+  assert r.total(prefix="taps", scaled=True) == 0.0
