@@ -13,14 +13,16 @@ from jax_lossscale._metrics import metrics as metrics
 from jax_lossscale._metrics import nonfinite_leaves as nonfinite_leaves
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
-from jax_lossscale._numerics import scale_product as scale_product
 from jax_lossscale._numerics import unscale_and_check as unscale_and_check
+from jax_lossscale._product import scale_product as scale_product
 from jax_lossscale._rule import update_scale as update_scale
+from jax_lossscale._signals import LossScaleWarning as LossScaleWarning
 from jax_lossscale._state import DynamicScaleConfig as DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState as DynamicScaleState
+from jax_lossscale._state import get_scale_state as get_scale_state
 from jax_lossscale._transform import LossScaleState as LossScaleState
 from jax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
-from jax_lossscale._transform import get_scale_state as get_scale_state
+from jax_lossscale._transform import inner_state as inner_state
 from jax_lossscale._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._transform import scale_loss as scale_loss
 from jax_lossscale._transform import static_loss_scale as static_loss_scale
@@ -34,6 +36,7 @@ __all__ = (
     "DynamicScaleState",
     "LossScaleError",
     "LossScaleState",
+    "LossScaleWarning",
     "UnderflowReport",
     "all_finite",
     "check_scale_config",
@@ -43,6 +46,7 @@ __all__ = (
     "fp16_roundtrip",
     "from_torch_state_dict",
     "get_scale_state",
+    "inner_state",
     "grad_diagnostics",
     "grad_leaf_names",
     "metrics",

@@ -9,6 +9,16 @@ import jax.numpy as jnp
 import optax
 
 
+class MultiStepsState(optax.MultiStepsState):
+  """The state of :func:`multi_steps`: ``optax.MultiStepsState``'s fields and methods.
+
+  A subclass only so that a loss scaler inside a *stock* ``optax.MultiSteps``
+  can be told apart (and warned about, see :class:`LossScaleWarning`).
+  """
+
+  __slots__ = ()
+
+
 def multi_steps(
     inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -48,12 +58,15 @@ def multi_steps(
   """
   ms = optax.MultiSteps(inner, every_k_schedule, **kwargs)
 
+  def init_fn(params):
+    return MultiStepsState(*ms.init(params))
+
   def update_fn(updates, state, params=None, **extra_args):
-    updates, state = ms.update(updates, state, params, **extra_args)
+    updates, state = ms.update(updates, optax.MultiStepsState(*state), params, **extra_args)
     fresh = state.mini_step == 0
     acc = jax.tree_util.tree_map(
         lambda a: jnp.where(fresh, jnp.zeros_like(a), a), state.acc_grads
     )
-    return updates, state._replace(acc_grads=acc)
+    return updates, MultiStepsState(*state._replace(acc_grads=acc))
 
-  return optax.GradientTransformationExtraArgs(ms.init, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

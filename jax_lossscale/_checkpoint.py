@@ -13,19 +13,12 @@ different config than the one the checkpoint was written with.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable
 
-import jax
 
-from jax_lossscale._state import DynamicScaleConfig, DynamicScaleState
+from jax_lossscale._state import DynamicScaleConfig, scale_states
 
 _FORMAT = 1
-
-
-def _scale_states(tree: Any) -> List[Tuple[str, DynamicScaleState]]:
-  is_state = lambda x: isinstance(x, DynamicScaleState)
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)
-  return [(jax.tree_util.keystr(path), x) for path, x in flat if is_state(x)]
 
 
 def scale_config_metadata(tree: Any) -> Dict[str, Any]:
@@ -48,7 +41,7 @@ def scale_config_metadata(tree: Any) -> Dict[str, Any]:
     >>> meta["configs"]["['scaler']"]["hysteresis"]
     2
   """
-  states = _scale_states(tree)
+  states = scale_states(tree)
   if not states:
     raise ValueError(
         f"No DynamicScaleState found in the given tree ({type(tree).__name__})."
@@ -99,7 +92,7 @@ def check_scale_config(
   if unknown:
     raise ValueError(f"ignore names unknown config fields: {sorted(unknown)}.")
   saved = metadata["configs"]
-  current = dict(_scale_states(tree))
+  current = dict(scale_states(tree))
   if set(saved) != set(current):
     raise ValueError(
         "The scale states in the tree do not match the checkpoint's: saved at "

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jax_lossscale._transform import get_scale_state
+from jax_lossscale._state import get_scale_state
 
 
 class LossScaleError(RuntimeError):

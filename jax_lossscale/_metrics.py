@@ -7,8 +7,8 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale._numerics import _is_float
-from jax_lossscale._transform import get_scale_state
+from jax_lossscale._numerics import is_float
+from jax_lossscale._state import get_scale_state
 
 
 def metrics(state: Any) -> Dict[str, jax.Array]:
@@ -77,7 +77,7 @@ def nonfinite_leaves(grads: Any) -> Any:
   """
 
   def leaf(g):
-    if not _is_float(g):
+    if not is_float(g):
       return jnp.zeros([], jnp.bool_)
     return jnp.logical_not(jnp.all(jnp.isfinite(g)))
 

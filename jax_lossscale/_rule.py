@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._numerics import scale_product
+from jax_lossscale._product import scale_product
 from jax_lossscale._state import DynamicScaleState
 
 _INT32_MAX = np.iinfo(np.int32).max

@@ -1,116 +1,128 @@
-"""Skipping a step with ``jnp.where``, in a form XLA compiles without copies.
+"""Skipping a step: one ``jnp.where`` function, exact bit for bit, copy-free on XLA:CPU.
 
-A skipped step must leave the optimizer state (and the params) bit-identical,
-so the new state is ``where(finite, new, old)``. Written naively, XLA on CPU
-(which has no multi-output fusion) recomputes the new state inside every
-consumer, so the parameter update reads the *old* state after the state
-select has already overwritten it in place (its buffers are donated); XLA
-then copies the whole old optimizer state at the start of the step. Two
-rules avoid that for every leaf of at least ``LARGE`` elements, both exact:
+A skipped step must leave the params (or the updates that reach them) and the
+optimizer state bit-identical, so both are selected with ``jnp.where`` (no
+``lax.cond``, no host control flow). :func:`skip_step` does both selects; the
+Optax wrapper and :class:`jax_lossscale.flax.TrainState` call it and nothing
+else.
 
-* :func:`select_once`: the selected values are divided by :func:`exact_one`.
-  Dividing by 1.0 is an identity bit for bit, but XLA counts a division as
-  expensive and does not duplicate it into consumers, so each value is
-  computed once and written once.
-* :func:`ordered_after`: the predicate of the state select is given a data
-  dependency on one element of every leaf selected by :func:`select_once`,
-  so everything that reads the old state runs before it is overwritten.
+Why the state select is ordered: written naively, XLA on CPU (which has no
+multi-output fusion) recomputes the new optimizer state inside each consumer,
+so the parameter update would read the *old* state after the state select has
+overwritten it in place (its buffers are donated); XLA then copies the whole
+old optimizer state at the start of every step. :func:`skip_step` therefore
+gives the state select's predicate a data dependency on one element of every
+large selected output: ``(bits | 1) != 0`` is always true, so the predicate's
+value is exactly ``finite``, and XLA schedules everything that reads the old
+state before the state is replaced. This changes the compiled schedule only,
+never a value; it is applied on CPU, to leaves of at least ``LARGE``
+elements that are not sharded by an explicit mesh axis. Other backends fuse
+the selects with their producers and get plain ``jnp.where``s.
 
-Both rules work around XLA:CPU. Other backends have multi-output fusion,
-which can put the select in the same kernel as the update, so they get a
-plain ``jnp.where`` (the rules are unmeasured there and could only add work).
-The choice is made at trace time from ``jax.default_backend()``; it changes
-no value, only the compiled schedule.
-
-No ``lax.cond`` and no host control flow: every branch is a ``jnp.where``.
-Measured by ``benchmarks/bench.py``; checked by ``tests/test_compiled.py``.
+Checked by ``tests/test_skip.py`` (bit-exactness, including subnormals and
+-0.0, in small and large leaves) and ``tests/test_compiled.py`` (no state
+copies in the compiled step).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale._numerics import _combine_flags, _is_float, reciprocal
+from jax_lossscale._numerics import combine_flags, is_float
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-# Leaves with fewer elements are left to XLA: copying them is cheap, and the
-# extra fusions would cost more than they save (measured on a 200-leaf model
-# of 100x100 layers: step 1.32x -> 1.25x, compile 2.3x -> 2.0x the plain step).
+# Smaller leaves are left to XLA: copying them is cheap, and the extra
+# dependencies would cost compile time (measured on a 200-leaf model of
+# 100x100 layers).
 LARGE = 1 << 16
 
 
-def _rules_apply(x: Any) -> bool:
-  """Whether leaf ``x`` gets the two rules: on CPU, for large float leaves."""
-  return jax.default_backend() == "cpu" and _is_float(x) and jnp.size(x) >= LARGE
+def skipped_updates(updates: Any) -> Any:
+  """The updates of a skipped step: ``-0.0``, so that ``p + u`` is ``p`` bit for bit.
 
-
-def exact_one(scale: jax.Array) -> jax.Array:
-  """A float32 1.0 that XLA cannot fold: ``shift / shift`` for the scale's shift.
-
-  ``shift`` (see :func:`jax_lossscale._numerics.reciprocal`) is 1 or 2**64
-  whatever the scale holds, so the quotient is exactly 1.
+  Built with ``full_like``, so each leaf keeps the dtype and the sharding of
+  the update it stands for (under explicit mesh axes ``jnp.where`` refuses
+  operands of different shardings).
   """
-  _, shift = reciprocal(scale)
-  return shift / shift
+
+  def skip(u):
+    if u is None:
+      return None
+    if is_float(u):
+      return jnp.full_like(u, -0.0)
+    return jnp.zeros_like(u)
+
+  return jax.tree_util.tree_map(skip, updates, is_leaf=lambda x: x is None)
 
 
-def skip_update(u: Any) -> Any:
-  """The update of a skipped step: -0.0, so that ``p + u`` is ``p`` bit for bit."""
-  if _is_float(u):
-    return jnp.full(jnp.shape(u), -0.0, jnp.result_type(u))
-  return jnp.zeros_like(u)
+def _explicitly_sharded(x: Any) -> bool:
+  """Whether ``x`` is split along an explicit mesh axis (its one-element slice would reshard)."""
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return False
+  return any(axis is not None for axis in spec)
 
 
-def select_once(pred: jax.Array, new: Any, old: Any, one: jax.Array) -> Any:
-  """``where(pred, new, old)`` per leaf, each float leaf computed exactly once.
+def _order_flag(x: Any):
+  """An always-true bool scalar computed from the first element of ``x``, or ``None``."""
+  if (
+      jax.default_backend() != "cpu"
+      or not is_float(x)
+      or jnp.size(x) < LARGE
+      or jnp.result_type(x).itemsize not in _BITS
+      or _explicitly_sharded(x)
+  ):
+    return None
+  first = jnp.asarray(x)[(0,) * jnp.ndim(x)]  # a static slice: no reshape
+  bits = jax.lax.bitcast_convert_type(first, _BITS[jnp.result_type(x).itemsize])
+  return (bits | 1) != 0
+
+
+def _where(pred: jax.Array, new: Any, old: Any) -> Any:
+  return jax.tree_util.tree_map(
+      lambda a, b: None if a is None else jnp.where(pred, a, b),
+      new,
+      old,
+      is_leaf=lambda x: x is None,
+  )
+
+
+def skip_step(
+    finite: jax.Array, new_out: Any, old_out: Any, new_state: Any, old_state: Any
+) -> Tuple[Any, Any]:
+  """Selects a step's outputs and state: the new ones if ``finite``, else the old ones.
+
+  Every leaf is a ``jnp.where``, so the result is bit for bit the selected
+  value, for every dtype and value (subnormals, -0.0, NaN payloads), on every
+  backend. On CPU, the state select is ordered after the outputs (see the
+  module docstring) so that the step needs no copy of the old state.
 
   Args:
-    pred: bool scalar.
-    new: pytree of values used where ``pred``.
-    old: pytree of the same structure, used where not.
-    one: :func:`exact_one`.
+    finite: bool scalar: take the new outputs and state?
+    new_out: the step's outputs (new params, or updates).
+    old_out: what a skipped step outputs instead (the old params, or
+      :func:`skipped_updates`); same structure as ``new_out``.
+    new_state: the new optimizer state.
+    old_state: the old optimizer state (same structure).
 
   Returns:
-    The selected pytree (bit-identical to a plain ``jnp.where``).
+    ``(out, state)``, each selected leaf by leaf.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jax_lossscale._skip import skip_step
+    >>> out, state = skip_step(jnp.array(False), jnp.ones(2), jnp.array([-0.0, 1e-40]),
+    ...                        {"n": jnp.int32(1)}, {"n": jnp.int32(0)})
+    >>> out, state["n"]
+    (Array([-0.e+00,  1.e-40], dtype=float32), Array(0, dtype=int32))
   """
-
-  def select(a, b):
-    out = jnp.where(pred, a, b)
-    if not _rules_apply(out):
-      return out
-    return out / one.astype(out.dtype)
-
-  return jax.tree_util.tree_map(select, new, old)
-
-
-def ordered_after(pred: jax.Array, tree: Any) -> jax.Array:
-  """``pred``, with a data dependency on one element of every float leaf of ``tree``.
-
-  ``(bits | 1) != 0`` is always true, so the value is exactly ``pred``; XLA
-  does not see through it and orders whatever consumes the result after the
-  computations that produced ``tree``.
-  """
-  flags = []
-  for x in jax.tree_util.tree_leaves(tree):
-    if not _rules_apply(x):
-      continue
-    width = jnp.result_type(x).itemsize
-    if width not in _BITS:
-      continue
-    # A static one-element slice: no reshape, so no resharding of a sharded leaf.
-    first = jnp.asarray(x)[(0,) * jnp.ndim(x)]
-    bits = jax.lax.bitcast_convert_type(first, _BITS[width])
-    flags.append((bits | 1) != 0)
-  if not flags:
-    return pred
-  # Combined as all_finite combines its flags: a plain chain of 200 ``and``s
+  out = _where(finite, new_out, old_out)
+  flags = [f for f in map(_order_flag, jax.tree_util.tree_leaves(out)) if f is not None]
+  # Combined as all_finite combines its flags: a plain chain of ``and``s
   # would be copied into every select and make compilation quadratic.
-  return _combine_flags([jnp.asarray(pred)] + flags)
-
-
-def select_state(pred: jax.Array, new: Any, old: Any) -> Any:
-  """``where(pred, new, old)`` per leaf (a plain select; order it with :func:`ordered_after`)."""
-  return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+  pred = combine_flags([finite] + flags) if flags else finite
+  return out, _where(pred, new_state, old_state)

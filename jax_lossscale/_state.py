@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, List, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,9 @@ MIN_NORMAL_F32 = float(_F32.tiny)
 MAX_F32 = float(_F32.max)
 
 
-def _check_positive_finite(name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+def check_positive_finite(name: str, value: Any) -> float:
+  """``value`` as a float; ``ValueError`` naming ``name`` unless a positive finite real."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
     raise ValueError(f"{name} must be a Python or NumPy real number, got {value!r}.")
   value = float(value)
   if not (math.isfinite(value) and value > 0):
@@ -26,8 +27,9 @@ def _check_positive_finite(name: str, value: Any) -> float:
   return value
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+def check_int(name: str, value: Any, minimum: int) -> int:
+  """``value`` as an int in ``[minimum, 2**31 - 1]``; ``ValueError`` naming ``name`` otherwise."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
   value = int(value)
   if value < minimum or value > np.iinfo(np.int32).max:
@@ -35,6 +37,37 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
         f"{name} must be an integer in [{minimum}, 2**31 - 1], got {value!r}."
     )
   return value
+
+
+def check_init_scale(value: Any, name: str = "init_scale") -> float:
+  """A valid initial scale: a normal, finite, positive float32."""
+  value = check_positive_finite(name, value)
+  if not MIN_NORMAL_F32 <= value <= MAX_F32:
+    raise ValueError(
+        f"{name} must be a normal float32 (in [2**-126, 3.4e38]), got {value!r}."
+    )
+  return value
+
+
+def check_growth_factor(value: Any, name: str = "growth_factor") -> float:
+  """A valid growth factor: a finite real > 1."""
+  value = check_positive_finite(name, value)
+  if value <= 1.0:
+    raise ValueError(f"{name} must be > 1, got {value!r}.")
+  return value
+
+
+def check_backoff_factor(value: Any, name: str = "backoff_factor") -> float:
+  """A valid backoff factor: a real in (0, 1)."""
+  value = check_positive_finite(name, value)
+  if value >= 1.0:
+    raise ValueError(f"{name} must be in (0, 1), got {value!r}.")
+  return value
+
+
+def check_growth_interval(value: Any, name: str = "growth_interval") -> int:
+  """A valid growth interval: an integer in [1, 2**31 - 1]."""
+  return check_int(name, value, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,29 +104,19 @@ class DynamicScaleConfig:
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
-    init_scale = _check_positive_finite("init_scale", self.init_scale)
-    if not MIN_NORMAL_F32 <= init_scale <= MAX_F32:
-      raise ValueError(
-          f"init_scale must be a normal float32 (in [2**-126, 3.4e38]), got {init_scale!r}."
-      )
+    init_scale = check_init_scale(self.init_scale)
     set_("init_scale", init_scale)
-    growth = _check_positive_finite("growth_factor", self.growth_factor)
-    if growth <= 1.0:
-      raise ValueError(f"growth_factor must be > 1, got {growth!r}.")
-    set_("growth_factor", growth)
-    backoff = _check_positive_finite("backoff_factor", self.backoff_factor)
-    if backoff >= 1.0:
-      raise ValueError(f"backoff_factor must be in (0, 1), got {backoff!r}.")
-    set_("backoff_factor", backoff)
-    set_("growth_interval", _check_int("growth_interval", self.growth_interval, 1))
-    set_("hysteresis", _check_int("hysteresis", self.hysteresis, 1))
-    min_scale = _check_positive_finite("min_scale", self.min_scale)
+    set_("growth_factor", check_growth_factor(self.growth_factor))
+    set_("backoff_factor", check_backoff_factor(self.backoff_factor))
+    set_("growth_interval", check_growth_interval(self.growth_interval))
+    set_("hysteresis", check_int("hysteresis", self.hysteresis, 1))
+    min_scale = check_positive_finite("min_scale", self.min_scale)
     if min_scale < MIN_NORMAL_F32:
       raise ValueError(
           "min_scale must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
           f"so that the scale never becomes subnormal, got {min_scale!r}."
       )
-    max_scale = _check_positive_finite("max_scale", self.max_scale)
+    max_scale = check_positive_finite("max_scale", self.max_scale)
     if max_scale > MAX_F32:
       raise ValueError(f"max_scale must be <= the largest float32, got {max_scale!r}.")
     # Bounds are stored as the float32 values they compare against.
@@ -111,6 +134,10 @@ class DynamicScaleConfig:
       raise ValueError(f"dynamic must be a bool, got {self.dynamic!r}.")
     set_("dynamic", bool(self.dynamic))
 
+
+#: The defaults (``torch.amp.GradScaler``'s): every public signature takes its
+#: default values from here (checked by ``tests/test_api.py``).
+DEFAULT_CONFIG = DynamicScaleConfig()
 
 _DATA_FIELDS = (
     "scale",
@@ -160,14 +187,14 @@ class DynamicScaleState:
   def create(
       cls,
       *,
-      init_scale: float = 2.0**16,
-      growth_factor: float = 2.0,
-      backoff_factor: float = 0.5,
-      growth_interval: int = 2000,
-      min_scale: float = MIN_NORMAL_F32,
-      max_scale: float = MAX_F32,
-      hysteresis: int = 1,
-      dynamic: bool = True,
+      init_scale: float = DEFAULT_CONFIG.init_scale,
+      growth_factor: float = DEFAULT_CONFIG.growth_factor,
+      backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
+      growth_interval: int = DEFAULT_CONFIG.growth_interval,
+      min_scale: float = DEFAULT_CONFIG.min_scale,
+      max_scale: float = DEFAULT_CONFIG.max_scale,
+      hysteresis: int = DEFAULT_CONFIG.hysteresis,
+      dynamic: bool = DEFAULT_CONFIG.dynamic,
   ) -> "DynamicScaleState":
     """Validates the configuration and returns the initial state.
 
@@ -212,3 +239,56 @@ class DynamicScaleState:
 jax.tree_util.register_dataclass(
     DynamicScaleState, data_fields=list(_DATA_FIELDS), meta_fields=["config"]
 )
+
+
+def is_scale_state(x: Any) -> bool:
+  """Whether ``x`` is a :class:`DynamicScaleState` (an ``is_leaf`` for tree walks)."""
+  return isinstance(x, DynamicScaleState)
+
+
+def scale_states(tree: Any) -> List[Tuple[str, DynamicScaleState]]:
+  """Every :class:`DynamicScaleState` in ``tree`` with its ``keystr`` path, in tree order."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scale_state)
+  return [(jax.tree_util.keystr(path), x) for path, x in flat if is_scale_state(x)]
+
+
+def get_scale_state(tree: Any) -> DynamicScaleState:
+  """Finds the :class:`DynamicScaleState` in an optimizer state or train state.
+
+  Searches any nesting of Optax states (``chain``, ``MultiSteps``,
+  ``inject_hyperparams``, ``masked``, ``partition``, ...) and any pytree
+  holding one (a Flax ``TrainState``, an ``nnx.Optimizer``'s state). Pure
+  structure inspection: fine inside ``jit``.
+
+  Args:
+    tree: a :class:`DynamicScaleState`, or a pytree containing exactly one.
+
+  Returns:
+    The :class:`DynamicScaleState`.
+
+  Raises:
+    ValueError: if there is none, or more than one.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> tx = jls.multi_steps(jls.dynamic_loss_scale(optax.adam(1e-3)), 4)
+    >>> jls.get_scale_state(tx.init({"w": jnp.zeros(2)})).scale
+    Array(65536., dtype=float32)
+  """
+  if is_scale_state(tree):
+    return tree
+  found = scale_states(tree)
+  if len(found) == 1:
+    return found[0][1]
+  if not found:
+    raise ValueError(
+        "No DynamicScaleState found in the given tree "
+        f"({type(tree).__name__}); was the optimizer built with "
+        "jax_lossscale.dynamic_loss_scale?"
+    )
+  raise ValueError(
+      f"Found {len(found)} DynamicScaleStates in the given tree (at "
+      f"{', '.join(p or '<root>' for p, _ in found)}); pass the one you mean "
+      "(e.g. the sub-state of one partition)."
+  )

@@ -9,8 +9,16 @@ from typing import Any, Dict, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._state import MAX_F32, MIN_NORMAL_F32, DynamicScaleConfig, DynamicScaleState
-from jax_lossscale._transform import get_scale_state
+from jax_lossscale._state import (
+    DEFAULT_CONFIG,
+    DynamicScaleConfig,
+    DynamicScaleState,
+    check_backoff_factor,
+    check_growth_factor,
+    check_growth_interval,
+    check_init_scale,
+    get_scale_state,
+)
 
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -69,11 +77,11 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> Dict[str, Any]:
   c = s.config
   if strict:
     lost = []
-    if c.min_scale != MIN_NORMAL_F32:
+    if c.min_scale != DEFAULT_CONFIG.min_scale:
       lost.append(f"min_scale={c.min_scale!r}")
-    if c.max_scale != MAX_F32:
+    if c.max_scale != DEFAULT_CONFIG.max_scale:
       lost.append(f"max_scale={c.max_scale!r}")
-    if c.hysteresis != 1:
+    if c.hysteresis != DEFAULT_CONFIG.hysteresis:
       lost.append(f"hysteresis={c.hysteresis!r}")
     if not c.dynamic:
       lost.append("dynamic=False (a static scale)")
@@ -122,9 +130,9 @@ def _integer(sd: Mapping, key: str) -> int:
 def from_torch_state_dict(
     sd: Mapping[str, Any],
     *,
-    min_scale: float = MIN_NORMAL_F32,
-    max_scale: float = MAX_F32,
-    hysteresis: int = 1,
+    min_scale: float = DEFAULT_CONFIG.min_scale,
+    max_scale: float = DEFAULT_CONFIG.max_scale,
+    hysteresis: int = DEFAULT_CONFIG.hysteresis,
 ) -> DynamicScaleState:
   """A :class:`DynamicScaleState` from ``torch.amp.GradScaler.state_dict()``.
 
@@ -175,28 +183,20 @@ def from_torch_state_dict(
   if unknown:
     raise ValueError(f"sd has keys unknown to GradScaler.state_dict(): {unknown}.")
 
-  scale = _real(sd, "scale")
+  key = lambda k: f"state_dict[{k!r}]"
   tracker = _integer(sd, "_growth_tracker")
   if not 0 <= tracker <= np.iinfo(np.int32).max:
-    raise ValueError(f"state_dict['_growth_tracker'] must be in [0, 2**31 - 1], got {tracker}.")
-  values = {
-      "init_scale": scale,
-      "growth_factor": _real(sd, "growth_factor"),
-      "backoff_factor": _real(sd, "backoff_factor"),
-      "growth_interval": _integer(sd, "growth_interval"),
-  }
-  try:
-    config = DynamicScaleConfig(
-        **values, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis
-    )
-  except ValueError as e:
-    torch_name = {"init_scale": "scale"}
-    msg = str(e)
-    for ours, theirs in torch_name.items():
-      msg = msg.replace(ours, f"state_dict[{theirs!r}]")
-    for key in ("growth_factor", "backoff_factor", "growth_interval"):
-      if msg.startswith(key):
-        msg = f"state_dict[{key!r}]" + msg[len(key):]
-    raise ValueError(msg) from e
+    raise ValueError(f"{key('_growth_tracker')} must be in [0, 2**31 - 1], got {tracker}.")
+  config = DynamicScaleConfig(
+      init_scale=check_init_scale(_real(sd, "scale"), key("scale")),
+      growth_factor=check_growth_factor(_real(sd, "growth_factor"), key("growth_factor")),
+      backoff_factor=check_backoff_factor(_real(sd, "backoff_factor"), key("backoff_factor")),
+      growth_interval=check_growth_interval(
+          _integer(sd, "growth_interval"), key("growth_interval")
+      ),
+      min_scale=min_scale,
+      max_scale=max_scale,
+      hysteresis=hysteresis,
+  )
   state = DynamicScaleState.from_config(config)
   return state.replace(growth_tracker=jnp.asarray(tracker, jnp.int32))

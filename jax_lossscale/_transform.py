@@ -9,14 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._numerics import _is_float, compute_dtype, unscale_and_check
+from jax_lossscale._numerics import compute_dtype, is_float, promote_floats, unscale_and_check
 from jax_lossscale._rule import update_scale
-from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state, skip_update
+from jax_lossscale._sharding import all_devices_finite, place_like_params
+from jax_lossscale._signals import check_accumulation, check_gradient_dtypes
+from jax_lossscale._skip import skipped_updates, skip_step
 from jax_lossscale._state import (
-    MAX_F32,
-    MIN_NORMAL_F32,
+    DEFAULT_CONFIG,
     DynamicScaleConfig,
     DynamicScaleState,
+    check_init_scale,
+    get_scale_state,
 )
 
 
@@ -33,22 +36,40 @@ class LossScaleState(NamedTuple):
   inner_state: optax.OptState
 
 
-def _promote(tree: Any) -> Any:
-  """Promotes floating leaves to at least float32 (half precision -> float32)."""
-
-  def promote(x):
-    if x is None or not _is_float(x):
-      return x
-    return jnp.asarray(x).astype(compute_dtype(jnp.result_type(x)))
-
-  return jax.tree_util.tree_map(promote, tree)
+def _update_dtype(update: Any, grad: Any, param: Any) -> Any:
+  """The dtype an update is returned in: the param's if it is wider than the gradient's."""
+  dtype = jnp.result_type(grad)
+  if param is not None and is_float(param) and is_float(grad):
+    if jnp.result_type(param).itemsize > dtype.itemsize:
+      dtype = jnp.result_type(param)
+  return jnp.asarray(update).astype(dtype)
 
 
-def _combine_across(finite: jax.Array, axis_name) -> jax.Array:
-  if axis_name is None:
-    return finite
-  bad = jax.lax.psum((~finite).astype(jnp.int32), axis_name)
-  return bad == 0
+def _cast_updates(new_updates: Any, grads: Any, params: Any) -> Any:
+  """Each update in its gradient's dtype, or in its param's when that is wider."""
+  none = lambda x: x is None
+  if params is None:
+    params = jax.tree_util.tree_map(lambda _: None, grads, is_leaf=none)
+
+  def cast(u, g, p):
+    return None if u is None else _update_dtype(u, g, p)
+
+  return jax.tree_util.tree_map(cast, new_updates, grads, params, is_leaf=none)
+
+
+def _check_state(state: Any, config: DynamicScaleConfig) -> None:
+  if not isinstance(state, LossScaleState):
+    raise ValueError(
+        "state must be the LossScaleState made by this transformation's init, "
+        f"got {type(state).__name__}."
+    )
+  if state.loss_scale.config != config:
+    raise ValueError(
+        "state was made by a loss scaler with another configuration: the state "
+        f"holds {state.loss_scale.config}, this transformation was built with "
+        f"{config}. Build the state with this transformation's init (or the "
+        "transformation with the state's settings)."
+    )
 
 
 def _loss_scale_transform(
@@ -64,35 +85,24 @@ def _loss_scale_transform(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    return LossScaleState(
+    state = LossScaleState(
         loss_scale=DynamicScaleState.from_config(config),
-        inner_state=inner.init(_promote(params)),
+        inner_state=inner.init(promote_floats(params)),
     )
+    return place_like_params(state, params)
 
   def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, LossScaleState):
-      raise ValueError(
-          "state must be the LossScaleState made by this transformation's init, "
-          f"got {type(state).__name__}."
-      )
+    _check_state(state, config)
+    if config.dynamic:
+      check_gradient_dtypes(updates)
     grads, finite = unscale_and_check(updates, state.loss_scale.scale)
-    finite = _combine_across(finite, axis_name)
+    finite = all_devices_finite(finite, axis_name)
     new_updates, new_inner = inner.update(
-        grads, state.inner_state, _promote(params), **extra_args
+        grads, state.inner_state, promote_floats(params), **extra_args
     )
-    # Back to each gradient's own dtype (optax convention; MultiSteps needs it).
-    new_updates = jax.tree_util.tree_map(
-        lambda n, u: n if u is None else jnp.asarray(n).astype(jnp.result_type(u)),
-        new_updates,
-        updates,
-        is_leaf=lambda x: x is None,
-    )
-    # See _skip.py: updates computed once, old state read before it is replaced.
-    skipped = jax.tree_util.tree_map(skip_update, new_updates)
-    one = exact_one(state.loss_scale.scale)
-    new_updates = select_once(finite, new_updates, skipped, one)
-    new_inner = select_state(
-        ordered_after(finite, new_updates), new_inner, state.inner_state
+    new_updates = _cast_updates(new_updates, updates, params)
+    new_updates, new_inner = skip_step(
+        finite, new_updates, skipped_updates(new_updates), new_inner, state.inner_state
     )
     new_scale = update_scale(state.loss_scale, finite)
     return new_updates, LossScaleState(loss_scale=new_scale, inner_state=new_inner)
@@ -103,13 +113,13 @@ def _loss_scale_transform(
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
     *,
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    min_scale: float = MIN_NORMAL_F32,
-    max_scale: float = MAX_F32,
-    hysteresis: int = 1,
+    init_scale: float = DEFAULT_CONFIG.init_scale,
+    growth_factor: float = DEFAULT_CONFIG.growth_factor,
+    backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
+    growth_interval: int = DEFAULT_CONFIG.growth_interval,
+    min_scale: float = DEFAULT_CONFIG.min_scale,
+    max_scale: float = DEFAULT_CONFIG.max_scale,
+    hysteresis: int = DEFAULT_CONFIG.hysteresis,
     axis_name: Optional[Any] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with ``torch.amp.GradScaler``'s dynamic loss scaling.
@@ -124,8 +134,15 @@ def dynamic_loss_scale(
   is returned unchanged, so its step count and schedules do not advance.
 
   Float16/bfloat16 leaves are promoted to float32 for ``inner`` (gradients,
-  params and therefore ``inner``'s state); updates come back in each
-  gradient's own dtype.
+  params and therefore ``inner``'s state). Each update comes back in its
+  gradient's dtype, or in its param's dtype when ``params`` are given and
+  wider (float16 gradients of float32 params give float32 updates, so small
+  updates are not rounded away; float16 gradients of float16 params stay
+  float16).
+
+  The state must come from this transformation's ``init``: a state built
+  with another configuration (another ``growth_interval``, or a static
+  scaler's state) is refused with a ``ValueError`` at trace time.
 
   Args:
     inner: the transformation to apply to the unscaled gradients.
@@ -201,13 +218,7 @@ def static_loss_scale(
     >>> updates["w"], float(jls.get_scale_state(state).scale)
     (Array([-1., -2.], dtype=float32), 128.0)
   """
-  if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-    raise ValueError(f"scale must be a Python float, got {scale!r}.")
-  if not MIN_NORMAL_F32 <= float(scale) <= MAX_F32:
-    raise ValueError(
-        f"scale must be positive, finite and a normal float32, got {scale!r}."
-    )
-  config = DynamicScaleConfig(init_scale=float(scale), dynamic=False)
+  config = DynamicScaleConfig(init_scale=check_init_scale(scale, "scale"), dynamic=False)
   return _loss_scale_transform(inner, config, axis_name)
 
 
@@ -235,51 +246,39 @@ def no_loss_scale(
   return static_loss_scale(inner, 1.0, axis_name=axis_name)
 
 
-def get_scale_state(tree: Any) -> DynamicScaleState:
-  """Finds the :class:`DynamicScaleState` in an optimizer state or train state.
+def inner_state(opt_state: Any) -> optax.OptState:
+  """The wrapped optimizer's state inside a loss scaler's state.
 
-  Searches any nesting of Optax states (``chain``, ``MultiSteps``,
-  ``inject_hyperparams``, ``masked``, ``partition``, ...) and any pytree
-  holding one (a Flax ``TrainState``, an ``nnx.Optimizer``'s state). Pure
-  structure inspection: fine inside ``jit``.
+  For helpers that need the inner optimizer's own state, e.g.
+  ``optax.contrib.schedule_free_eval_params(jls.inner_state(opt_state),
+  params)``. Searches any nesting (``chain``, ``multi_steps``, a train state),
+  like :func:`get_scale_state`. Pure structure inspection: fine inside
+  ``jit``.
 
   Args:
-    tree: a :class:`DynamicScaleState`, or a pytree containing exactly one.
+    opt_state: a :class:`LossScaleState`, or a pytree containing exactly one.
 
   Returns:
-    The :class:`DynamicScaleState`.
+    Its ``inner_state``.
 
   Raises:
-    ValueError: if there is none, or more than one.
+    ValueError: if there is no :class:`LossScaleState`, or more than one.
 
   Examples:
     >>> import jax.numpy as jnp, optax
     >>> import jax_lossscale as jls
-    >>> tx = optax.MultiSteps(jls.dynamic_loss_scale(optax.adam(1e-3)), 4)
-    >>> jls.get_scale_state(tx.init({"w": jnp.zeros(2)})).scale
-    Array(65536., dtype=float32)
+    >>> opt_state = jls.dynamic_loss_scale(optax.adam(1e-3)).init({"w": jnp.zeros(2)})
+    >>> type(jls.inner_state(opt_state)[0]).__name__
+    'ScaleByAdamState'
   """
-  if isinstance(tree, DynamicScaleState):
-    return tree
-  found = [
-      x
-      for x in jax.tree_util.tree_leaves(
-          tree, is_leaf=lambda x: isinstance(x, DynamicScaleState)
-      )
-      if isinstance(x, DynamicScaleState)
-  ]
-  if len(found) == 1:
-    return found[0]
-  if not found:
+  is_ls = lambda x: isinstance(x, LossScaleState)
+  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ls) if is_ls(x)]
+  if len(found) != 1:
     raise ValueError(
-        "No DynamicScaleState found in the given tree "
-        f"({type(tree).__name__}); was the optimizer built with "
-        "jax_lossscale.dynamic_loss_scale?"
+        f"opt_state must hold exactly one LossScaleState, found {len(found)} in "
+        f"{type(opt_state).__name__}."
     )
-  raise ValueError(
-      f"Found {len(found)} DynamicScaleStates in the given tree; pass the one "
-      "you mean (e.g. the sub-state of one partition)."
-  )
+  return found[0].inner_state
 
 
 def scale_loss(loss: Any, state: Any) -> jax.Array:
@@ -304,9 +303,10 @@ def scale_loss(loss: Any, state: Any) -> jax.Array:
     >>> jls.scale_loss(jnp.float16(2.0), s)   # 2 * 65536 > float16 max
     Array(131072., dtype=float32)
   """
+  check_accumulation(state)
   scale = get_scale_state(state).scale
   loss = jnp.asarray(loss)
-  if not _is_float(loss):
+  if not is_float(loss):
     raise ValueError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
   dt = compute_dtype(loss.dtype)
   return loss.astype(dt) * scale.astype(dt)

@@ -22,15 +22,29 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
-from flax.training import train_state
 
-from jax_lossscale._numerics import _is_float, all_finite, compute_dtype, unscale_and_check
+try:
+  from flax import struct
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+  from flax.training import train_state
+except ImportError as e:  # pragma: no cover - exercised in a venv without flax
+  raise ImportError(
+      "jax_lossscale.flax needs Flax: install the extra, "
+      "pip install 'jax-lossscale[flax]'."
+  ) from e
+
+from jax_lossscale._numerics import (
+    all_finite,
+    compute_dtype,
+    is_float,
+    promote_floats,
+    unscale_and_check,
+)
 from jax_lossscale._rule import update_scale
-from jax_lossscale._skip import exact_one, ordered_after, select_once, select_state
-from jax_lossscale._state import DynamicScaleState
-from jax_lossscale._transform import _promote, get_scale_state, scale_loss
+from jax_lossscale._sharding import across_axis, place_like_params
+from jax_lossscale._skip import skip_step
+from jax_lossscale._state import DynamicScaleState, get_scale_state, scale_states
+from jax_lossscale._transform import scale_loss
 
 __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
 
@@ -119,8 +133,7 @@ def value_and_grad(
 
   def wrapped(*args, **kwargs) -> ScaledValueAndGrad:
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-    if axis_name is not None:
-      grads = jax.lax.pmean(grads, axis_name)
+    grads = across_axis(jax.lax.pmean, grads, axis_name)
     grads, finite = unscale_and_check(grads, dynamic_scale.scale)
     return ScaledValueAndGrad(value=loss, aux=aux, grads=grads, finite=finite)
 
@@ -131,18 +144,13 @@ def _apply_updates(params: Any, updates: Any) -> Any:
   """``optax.apply_updates`` with explicit casts (strict dtype promotion safe)."""
 
   def apply(p, u):
-    if p is None or u is None or not _is_float(p):
+    if p is None or u is None or not is_float(p):
       return p
     p = jnp.asarray(p)
     dt = max(compute_dtype(p.dtype), compute_dtype(jnp.result_type(u)), key=lambda d: d.itemsize)
     return (p.astype(dt) + jnp.asarray(u).astype(dt)).astype(p.dtype)
 
   return jax.tree_util.tree_map(apply, params, updates, is_leaf=lambda x: x is None)
-
-
-def _has_scale_state(tree: Any) -> bool:
-  leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, DynamicScaleState))
-  return any(isinstance(x, DynamicScaleState) for x in leaves)
 
 
 class TrainState(train_state.TrainState):
@@ -218,20 +226,20 @@ class TrainState(train_state.TrainState):
       params_with_opt = params["params"]
     else:
       params_with_opt = params
-    opt_state = tx.init(_promote(params_with_opt))
-    if _has_scale_state(opt_state):
+    opt_state = place_like_params(tx.init(promote_floats(params_with_opt)), params_with_opt)
+    if scale_states(opt_state):
       raise ValueError(
           "tx already holds a loss scaler (dynamic_loss_scale/static_loss_scale); "
           "use it with flax.training.train_state.TrainState, or pass a plain "
           "optimizer here, not both."
       )
     return cls(
-        step=jnp.zeros([], jnp.int32),
+        step=place_like_params(jnp.zeros([], jnp.int32), params_with_opt),
         apply_fn=apply_fn,
         params=params,
         tx=tx,
         opt_state=opt_state,
-        dynamic_scale=dynamic_scale,
+        dynamic_scale=place_like_params(dynamic_scale, params_with_opt),
         **kwargs,
     )
 
@@ -277,22 +285,18 @@ class TrainState(train_state.TrainState):
     grads_with_opt = grads["params"] if owg else grads
     params_with_opt = self.params["params"] if owg else self.params
     updates, new_opt_state = self.tx.update(
-        _promote(grads_with_opt), self.opt_state, _promote(params_with_opt)
+        promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)
     )
     new_params = _apply_updates(params_with_opt, updates)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
-    # See jax_lossscale/_skip.py: new params computed once, and the old
-    # optimizer state read (by that computation) before it is replaced.
-    new_params = select_once(
-        finite, new_params, self.params, exact_one(self.dynamic_scale.scale)
+    new_params, opt_state = skip_step(
+        finite, new_params, self.params, new_opt_state, self.opt_state
     )
     return self.replace(
         step=jnp.where(finite, self.step + 1, self.step),
         params=new_params,
-        opt_state=select_state(
-            ordered_after(finite, new_params), new_opt_state, self.opt_state
-        ),
+        opt_state=opt_state,
         dynamic_scale=update_scale(self.dynamic_scale, finite),
         **kwargs,
     )
