@@ -62,13 +62,15 @@ def _reference(torch, cfg):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["torch-defaults", "factors-1.1-0.3"])
-@pytest.mark.parametrize("switch_at", [4, 9])
+@pytest.mark.parametrize("switch_at", [4, 5, 9])
 def test_torch_to_jax_mid_run(cfg, switch_at):
   torch = import_torch()
   expected = _reference(torch, cfg)
   run = TorchRun(torch, cfg)
   got = [run.step(ok) for ok in PATTERN[:switch_at]]
   sd = run.scaler.state_dict()
+  # 4 and 9 come right after an overflow (tracker 0); 5 is one clean step later.
+  assert sd["_growth_tracker"] == (1 if switch_at == 5 else 0)
   jrun = JaxRun(cfg)
   jrun.state = jrun.state._replace(loss_scale=jls.from_torch_state_dict(sd))
   got += [jrun.step(ok) for ok in PATTERN[switch_at:]]
@@ -142,10 +144,49 @@ def test_from_torch_state_dict_rejects_bad_input(sd, match):
     jls.from_torch_state_dict(sd)
 
 
-def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars():
-  sd = {**GOOD, "scale": np.float32(512.0), "_growth_tracker": np.int64(2)}
+def _numpy_0d(value):
+  return np.asarray(value)
+
+
+def _torch_0d(value):
+  return import_torch().tensor(value)
+
+
+@pytest.mark.parametrize(
+    "wrap", [np.asarray(0).dtype.type, _numpy_0d, _torch_0d],
+    ids=["numpy-scalar", "numpy-0d-array", "torch-0d-tensor"],
+)
+def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars(wrap):
+  sd = {
+      "scale": np.float32(512.0) if wrap is np.asarray(0).dtype.type else wrap(512.0),
+      "growth_factor": wrap(2.0) if wrap is not np.asarray(0).dtype.type else np.float64(2.0),
+      "backoff_factor": 0.5,
+      "growth_interval": wrap(10),
+      "_growth_tracker": wrap(2),
+  }
+  if wrap is not np.asarray(0).dtype.type:
+    assert all(getattr(sd[k], "ndim", None) == 0 and not isinstance(sd[k], (int, float))
+               for k in ("scale", "growth_factor", "growth_interval", "_growth_tracker"))
   s = jls.from_torch_state_dict(sd)
   assert s.scale.item() == 512.0 and s.growth_tracker.item() == 2
+  assert s.config.growth_interval == 10 and s.config.growth_factor == 2.0
+  assert s.scale.dtype == jnp.float32 and s.growth_tracker.dtype == jnp.int32
+  assert type(s.config.growth_interval) is int and type(s.config.growth_factor) is float
+
+
+def test_from_torch_state_dict_rejects_0d_non_numbers():
+  with pytest.raises(ValueError, match=r"state_dict\['growth_interval'\] must be an integer"):
+    jls.from_torch_state_dict({**GOOD, "growth_interval": np.asarray(10.0)})
+  with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
+    jls.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
+
+
+@pytest.mark.xfail(strict=True, reason="_is_scalar_number rejects bool and np.bool_ but not a "
+                   "0-d bool array or tensor, so True is read as scale 1.0")
+@pytest.mark.parametrize("wrap", [_numpy_0d, _torch_0d], ids=["numpy-0d-array", "torch-0d-tensor"])
+def test_from_torch_state_dict_rejects_0d_bools(wrap):
+  with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
+    jls.from_torch_state_dict({**GOOD, "scale": wrap(True)})
 
 
 def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
@@ -153,6 +194,16 @@ def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
     jls.to_torch_state_dict(jls.DynamicScaleState.create(hysteresis=2))
   with pytest.raises(ValueError, match="max_scale"):
     jls.to_torch_state_dict(jls.DynamicScaleState.create(max_scale=2.0**20))
+  with pytest.raises(ValueError, match=r"min_scale=1\.0"):
+    jls.to_torch_state_dict(jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0))
+  # strict=False drops exactly those settings and keeps the rest.
+  lossy = jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0, max_scale=2.0**20,
+                                       hysteresis=3, growth_interval=5)
+  assert jls.to_torch_state_dict(lossy, strict=False) == {
+      "scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
+      "_growth_tracker": 0}
+  # The defaults (what from_torch_state_dict builds) are what torch holds.
+  jls.to_torch_state_dict(jls.from_torch_state_dict(GOOD))
   static = jls.static_loss_scale(optax.sgd(1.0), 128.0).init({"w": jnp.zeros(1)})
   with pytest.raises(ValueError, match="static scale"):
     jls.to_torch_state_dict(static)
