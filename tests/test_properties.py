@@ -105,6 +105,8 @@ _TX = jls.dynamic_loss_scale(
 def _run_transform(params, grads_seq):
   def step(carry, scaled_grads):
     params, state = carry
+    # A -0.0 param before every step: a skip must keep its sign (only -0.0 does).
+    params = {"w": params["w"].at[3].set(-0.0)}
     updates, new_state = _TX.update({"w": scaled_grads}, state, params)
     new_params = optax.apply_updates(params, updates)
     return (new_params, new_state), (params, new_params, state.inner_state,
@@ -138,6 +140,7 @@ def test_skipped_steps_change_nothing_and_params_stay_finite(grads):
     assert skipped == (0 if finite else 1), i
     assert np.all(np.isfinite(np.asarray(after["w"][i])))
     if not finite:
+      assert np.signbit(np.asarray(after["w"][i])[3]), i
       np.testing.assert_array_equal(np.asarray(after["w"][i]).view(np.uint32),
                                     np.asarray(before["w"][i]).view(np.uint32))
       for a, b in zip(jax.tree_util.tree_leaves(inner_after),

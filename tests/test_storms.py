@@ -119,8 +119,11 @@ def test_ten_thousand_nonfinite_steps_in_one_jitted_scan():
   # A few clean steps first, so the inner state (momentum) is not trivial.
   params, state = train(params, state, 4, False)
   assert int(state.loss_scale.growth_tracker) == 1 and float(state.loss_scale.scale) == 2.0**17
+  # A -0.0 param right before the storm: only -0.0 updates keep its sign.
+  params = {**params, "b": params["b"].at[0].set(-0.0)}
   before_params, before_inner = params, state.inner_state
   params, state = train(params, state, 10_000, True)
+  assert np.signbit(np.asarray(params["b"])[0]) and params["b"][0] == 0.0
   _assert_bit_identical(params, before_params)
   _assert_bit_identical(state.inner_state, before_inner)
   ls = state.loss_scale
