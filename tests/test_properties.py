@@ -11,8 +11,10 @@ import numpy as np
 import optax
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
+from conftest import import_optional
+
+hypothesis = import_optional("hypothesis")
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_lossscale as jls  # noqa: E402
@@ -78,6 +80,19 @@ configs = st.fixed_dictionaries({
 })
 
 
+def _config(**kwargs):
+  base = dict(init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1,
+              hysteresis=1, min_scale=float(TINY), max_scale=F32_MAX, dynamic=True)
+  return {**base, **kwargs}
+
+
+# Examples that reach a blocked growth (the product would overflow float32, so
+# the scale is kept, not capped), next to ones that reach max_scale exactly.
+@example(config=_config(init_scale=2.0**120), flags=[True] * 10 + [False] + [True] * (T - 11))
+@example(config=_config(init_scale=1e12, growth_factor=10.0), flags=[True] * T)
+@example(config=_config(init_scale=3.0, growth_factor=9.7, growth_interval=1, hysteresis=2),
+         flags=([True] * 20 + [False, True]) * 2 + [True] * (T - 44))
+@example(config=_config(init_scale=1e12, growth_factor=10.0, max_scale=1e13), flags=[True] * T)
 @SETTINGS
 @given(config=configs, flags=st.lists(st.booleans(), min_size=T, max_size=T))
 def test_rule_trajectory_equals_reference(config, flags):

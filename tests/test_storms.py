@@ -63,8 +63,9 @@ def test_downward_storm_stops_exactly_at_the_floor(kwargs):
 @pytest.mark.parametrize(
     "kwargs, ceiling",
     [
-        ({}, None),  # default max: growth past float32 is blocked (torch)
+        ({}, None),  # default max: growth past float32 is blocked (torch): 2**127
         ({"growth_factor": 1.7}, None),
+        ({"growth_factor": 3.0, "init_scale": 5.0}, None),
         ({"max_scale": 2.0**20}, np.float32(2.0**20)),  # capped exactly
         ({"max_scale": 1e6, "growth_factor": 3.0}, np.float32(1e6)),
     ],
@@ -75,11 +76,20 @@ def test_upward_storm_never_reaches_inf(kwargs, ceiling):
   _assert_normal_in_bounds(scales, state.config)
   top = np.asarray(scales).max()
   if ceiling is None:
-    # The last growth that stayed finite, then blocked: the scale is kept.
-    assert top * np.float64(state.config.growth_factor) > F32_MAX
+    # The last growth that stayed finite, float32(float64(s) * g) as torch
+    # computes it; the next one would overflow, so it is blocked (scale kept,
+    # not capped at the float32 maximum).
+    want = np.float32(state.config.init_scale)
+    with np.errstate(over="ignore"):
+      while np.isfinite(np.float32(np.float64(want) * state.config.growth_factor)):
+        want = np.float32(np.float64(want) * state.config.growth_factor)
+    assert top == want and top < F32_MAX
+    # Reached well before the end, then kept on every later (blocked) growth.
+    assert np.count_nonzero(np.asarray(scales) == want) > 100
   else:
     assert top == ceiling
   assert float(final.scale) == top
+  assert int(final.growth_tracker) == 0  # a blocked growth still resets the tracker
 
 
 def test_floor_then_recovery():
