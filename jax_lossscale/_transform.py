@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jax_lossscale._numerics import compute_dtype, is_float, promote_floats, unscale_and_check
@@ -63,7 +63,10 @@ def _check_state(state: Any, config: DynamicScaleConfig) -> None:
         "state must be the LossScaleState made by this transformation's init, "
         f"got {type(state).__name__}."
     )
-  if state.loss_scale.config != config:
+  # init_scale only sets the first scale: a state restored mid-run (from a
+  # checkpoint, or from torch) may carry another one.
+  held = dataclasses.replace(state.loss_scale.config, init_scale=config.init_scale)
+  if held != config:
     raise ValueError(
         "state was made by a loss scaler with another configuration: the state "
         f"holds {state.loss_scale.config}, this transformation was built with "
@@ -140,9 +143,11 @@ def dynamic_loss_scale(
   updates are not rounded away; float16 gradients of float16 params stay
   float16).
 
-  The state must come from this transformation's ``init``: a state built
-  with another configuration (another ``growth_interval``, or a static
-  scaler's state) is refused with a ``ValueError`` at trace time.
+  The state must have this transformation's configuration: a state built
+  with other settings (another ``growth_interval``, or a static scaler's
+  state) is refused with a ``ValueError`` at trace time. Only ``init_scale``
+  may differ (it sets the first scale only), so a state restored mid-run,
+  e.g. by :func:`from_torch_state_dict`, is accepted.
 
   Args:
     inner: the transformation to apply to the unscaled gradients.

@@ -1,0 +1,289 @@
+"""One source of truth: defaults, state/config agreement, the update dtype rule, trace-time warnings."""
+
+import inspect
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale import _signals
+from jax_lossscale._state import DEFAULT_CONFIG
+
+from conftest import standard_promotion
+
+
+# ----------------------------------------------------------------------------- defaults
+
+TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                  "growth_interval": 2000}
+
+
+def test_default_config_is_torchs():
+  for name, value in TORCH_DEFAULTS.items():
+    assert getattr(DEFAULT_CONFIG, name) == value
+  assert DEFAULT_CONFIG.hysteresis == 1 and DEFAULT_CONFIG.dynamic is True
+  assert DEFAULT_CONFIG.min_scale == 2.0**-126
+  assert DEFAULT_CONFIG.max_scale == float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [jls.DynamicScaleState.create, jls.dynamic_loss_scale, jls.from_torch_state_dict,
+     jls.DynamicScaleConfig],
+    ids=lambda f: f.__qualname__,
+)
+def test_every_public_signature_agrees_with_the_defaults(fn):
+  params = inspect.signature(fn).parameters
+  fields = [f for f in DEFAULT_CONFIG.__dataclass_fields__ if f in params]
+  assert fields, f"{fn.__qualname__} takes no config argument"
+  for name in fields:
+    assert params[name].default == getattr(DEFAULT_CONFIG, name), name
+
+
+def test_a_default_built_state_and_transformation_agree():
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0))
+  assert tx.init({"w": jnp.zeros(1)}).loss_scale.config == DEFAULT_CONFIG
+  assert jls.DynamicScaleState.create().config == DEFAULT_CONFIG
+
+
+# ----------------------------------------------------------------------------- state/config agreement
+
+
+def test_state_of_another_config_is_refused_naming_both(maybe_jit):
+  params = {"w": jnp.zeros(2)}
+  state = jls.dynamic_loss_scale(optax.sgd(1.0)).init(params)
+  other = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=2)
+  with pytest.raises(ValueError, match=r"growth_interval=2000.*growth_interval=2\b"):
+    maybe_jit(other.update)({"w": jnp.ones(2)}, state, params)
+
+
+def test_static_state_given_to_a_dynamic_scaler_is_refused(maybe_jit):
+  params = {"w": jnp.zeros(2)}
+  state = jls.no_loss_scale(optax.sgd(1.0)).init(params)
+  with pytest.raises(ValueError, match="dynamic=False.*dynamic=True"):
+    maybe_jit(jls.dynamic_loss_scale(optax.sgd(1.0)).update)({"w": jnp.ones(2)}, state, params)
+
+
+def test_a_state_restored_from_torch_with_the_same_settings_is_accepted():
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), growth_interval=3)
+  state = tx.init({"w": jnp.zeros(1)})
+  sd = {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+        "_growth_tracker": 2}
+  state = state._replace(loss_scale=jls.from_torch_state_dict(sd))
+  _, state = tx.update({"w": jnp.ones(1)}, state)
+  assert float(state.loss_scale.scale) == 128.0  # the third clean step grows
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("scale", 0.0, r"state_dict\['scale'\] must be positive"),
+        ("scale", 1e-39, r"state_dict\['scale'\] must be a normal float32"),
+        ("growth_factor", 1.0, r"state_dict\['growth_factor'\] must be > 1"),
+        ("backoff_factor", 1.5, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
+        ("growth_interval", 0, r"state_dict\['growth_interval'\] must be an integer in \[1"),
+    ],
+)
+def test_torch_keys_are_validated_under_their_own_names(key, value, message):
+  sd = {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+        "_growth_tracker": 0}
+  sd[key] = value
+  with pytest.raises(ValueError, match=message):
+    jls.from_torch_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------- update dtypes
+
+
+def test_half_gradients_of_float32_params_give_float32_updates(maybe_jit):
+  """The issue's case: 1e-6 gradients, lr 1e-3: a float16 update of 1e-9 would be 0."""
+  params = {"w": jnp.full((3,), 1e-4, jnp.float32)}
+  tx = jls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=1024.0)
+  state = tx.init(params)
+  g16 = {"w": jnp.full((3,), 1e-6 * 1024.0, jnp.float16)}
+  updates, _ = maybe_jit(tx.update)(g16, state, params)
+  assert updates["w"].dtype == jnp.float32
+  expected = -np.float32(1e-3) * (np.float32(np.float16(1e-6 * 1024.0)) * np.float32(1 / 1024))
+  np.testing.assert_array_equal(np.asarray(updates["w"]), np.full(3, expected, np.float32))
+  moved = optax.apply_updates(params, updates)["w"]
+  assert bool(jnp.all(moved < params["w"]))
+
+
+def test_adam_at_tiny_lr_loses_no_update(maybe_jit):
+  params = {"w": jnp.full((2,), 1e-4, jnp.float32)}
+  tx = jls.dynamic_loss_scale(optax.adam(1e-8), init_scale=1024.0)
+  with standard_promotion():
+    updates, _ = maybe_jit(tx.update)({"w": jnp.full((2,), 1.0, jnp.float16)}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32 and bool(jnp.all(updates["w"] < 0))
+
+
+@pytest.mark.parametrize("with_params", [True, False])
+def test_half_gradients_keep_their_dtype_without_wider_params(maybe_jit, with_params):
+  params = {"w": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  grads = {"w": jnp.full((2,), 4.0, jnp.float16), "b": jnp.full((2,), 8.0, jnp.bfloat16)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jls.LossScaleWarning)
+    updates, _ = maybe_jit(tx.update)(grads, tx.init(params), params if with_params else None)
+  assert updates["w"].dtype == jnp.float16 and updates["b"].dtype == jnp.bfloat16
+  assert float(updates["w"][0]) == -0.5 and float(updates["b"][0]) == -1.0
+
+
+def test_float32_gradients_of_float16_params_stay_float32(maybe_jit):
+  params = {"w": jnp.ones(2, jnp.float16)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  updates, _ = maybe_jit(tx.update)({"w": jnp.full((2,), 4.0)}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+
+
+def test_skipped_step_updates_take_the_same_dtype(maybe_jit):
+  params = {"w": jnp.array([-0.0, 1.0], jnp.float32)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5))
+  updates, _ = maybe_jit(tx.update)(
+      {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}, tx.init(params), params
+  )
+  assert updates["w"].dtype == jnp.float32 and bool(jnp.all(jnp.signbit(updates["w"])))
+  new = optax.apply_updates(params, updates)["w"]
+  assert bool(jnp.signbit(new[0])) and float(new[1]) == 1.0
+
+
+def test_multi_steps_with_half_gradients_of_float32_params(maybe_jit):
+  params = {"w": jnp.full((2,), 1e-4, jnp.float32)}
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(1e-3), init_scale=1024.0), 2)
+  state = tx.init(params)
+  step = maybe_jit(tx.update)
+  micro = [jnp.full((2,), v * 1024.0, jnp.float16) for v in (1e-6, 3e-6)]
+  with standard_promotion():  # optax.MultiSteps mixes int32 and floats
+    u0, state = step({"w": micro[0]}, state, params)
+    u1, state = step({"w": micro[1]}, state, params)
+  assert u0["w"].dtype == u1["w"].dtype == jnp.float32
+  assert bool(jnp.all(u0["w"] == 0))
+  mean = (np.float32(micro[0][0]) + np.float32(micro[1][0])) / 2  # accumulated in float32
+  expected = -np.float32(1e-3) * (np.float32(np.float16(mean)) * np.float32(1 / 1024))
+  np.testing.assert_array_equal(np.asarray(u1["w"]), np.full(2, expected, np.float32))
+
+
+# ----------------------------------------------------------------------------- inner_state
+
+
+def test_inner_state_serves_schedule_free_eval_params():
+  params = {"w": jnp.array([1.0, -2.0])}
+  inner = optax.contrib.schedule_free_sgd(0.1)
+  tx, ref = jls.dynamic_loss_scale(inner, init_scale=8.0), inner
+  state, ref_state = tx.init(params), ref.init(params)
+  grads = {"w": jnp.array([0.5, 0.25])}
+  with standard_promotion():
+    _, state = tx.update(jax.tree_util.tree_map(lambda g: g * 8.0, grads), state, params)
+    _, ref_state = ref.update(grads, ref_state, params)
+  with pytest.raises(AttributeError):
+    optax.contrib.schedule_free_eval_params(state, params)  # the wrapper's state: no b1
+  got = optax.contrib.schedule_free_eval_params(jls.inner_state(state), params)
+  want = optax.contrib.schedule_free_eval_params(ref_state, params)
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+
+
+def test_inner_state_through_chain_and_multi_steps():
+  params = {"w": jnp.zeros(2)}
+  tx = optax.chain(optax.clip(1.0), jls.multi_steps(jls.dynamic_loss_scale(optax.adam(1e-3)), 2))
+  assert type(jls.inner_state(tx.init(params))[0]).__name__ == "ScaleByAdamState"
+  with pytest.raises(ValueError, match="exactly one LossScaleState, found 0"):
+    jls.inner_state(optax.adam(1e-3).init(params))
+
+
+# ----------------------------------------------------------------------------- warnings
+
+
+@pytest.fixture
+def fresh_warnings():
+  saved = set(_signals._WARNED)
+  _signals._WARNED.clear()
+  yield
+  _signals._WARNED.clear()
+  _signals._WARNED.update(saved)
+
+
+def test_bfloat16_gradients_warn_once_towards_no_loss_scale(fresh_warnings):
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(params)
+  with pytest.warns(jls.LossScaleWarning, match="no_loss_scale"):
+    tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)  # once only
+    jax.jit(tx.update)({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+
+
+def test_no_warning_for_float16_or_float32_gradients_or_static_scaling(fresh_warnings):
+  params = {"w": jnp.ones(2), "b": jnp.ones(2, jnp.bfloat16)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx = jls.dynamic_loss_scale(optax.sgd(0.1))
+    tx.update({"w": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+    tx.update({"w": jnp.ones(2), "b": jnp.ones(2)}, tx.init(params), params)  # float16 inside the loss
+    tx = jls.no_loss_scale(optax.sgd(0.1))
+    tx.update({"w": jnp.ones(2), "b": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+
+
+def test_bfloat16_warning_can_be_silenced(fresh_warnings):
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=jls.LossScaleWarning)
+    tx.update({"w": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+
+
+def test_stock_multisteps_warns_once_towards_multi_steps(fresh_warnings):
+  params = {"w": jnp.zeros(2)}
+  stock = optax.MultiSteps(jls.dynamic_loss_scale(optax.sgd(1.0)), 2)
+  state = stock.init(params)
+  with pytest.warns(jls.LossScaleWarning, match="jax_lossscale.multi_steps"):
+    jax.jit(jls.scale_loss)(jnp.float32(1.0), state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jls.scale_loss(jnp.float32(1.0), state)  # once only
+    ours = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(1.0)), 2)
+    _signals._WARNED.clear()
+    jls.scale_loss(jnp.float32(1.0), ours.init(params))  # never for multi_steps
+    assert isinstance(ours.init(params), optax.MultiStepsState)
+
+
+def test_stock_multisteps_warning_can_be_silenced(fresh_warnings):
+  state = optax.MultiSteps(jls.dynamic_loss_scale(optax.sgd(1.0)), 2).init({"w": jnp.zeros(2)})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=jls.LossScaleWarning)
+    jls.scale_loss(jnp.float32(1.0), state)
+
+
+# ----------------------------------------------------------------------------- the flax extra
+
+
+def test_core_imports_without_flax_and_the_flax_module_names_the_extra():
+  code = """
+import sys
+class Block:
+  def find_spec(self, name, path=None, target=None):
+    if name == "flax" or name.startswith("flax."):
+      raise ImportError("No module named 'flax' (blocked)")
+sys.meta_path.insert(0, Block())
+import jax.numpy as jnp, optax
+import jax_lossscale as jls
+tx = jls.dynamic_loss_scale(optax.sgd(0.1))
+tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.zeros(2)}))
+assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules), "core imported flax"
+try:
+  import jax_lossscale.flax
+except ImportError as e:
+  print("IMPORT-ERROR:", e)
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "IMPORT-ERROR:" in out.stdout and "jax-lossscale[flax]" in out.stdout
