@@ -3,6 +3,8 @@
 * Eight CPU devices (for the multi-device tests), set before JAX is imported.
 * ``jax_numpy_dtype_promotion="strict"``: no silent dtype promotion anywhere.
 * ``maybe_jit``: run a test's function both eagerly and under ``jax.jit``.
+* ``slow_batch``: a long device computation that returns its input, for
+  proving that code does not wait for the device (see ``tests/test_async.py``).
 * In CI (``CI=true``) no test may be skipped for a missing optional dependency
   that ``make test`` installs (torch, hypothesis, orbax, scikit-learn,
   matplotlib, flax, equinox, chex): :func:`import_optional` fails there, and
@@ -17,8 +19,11 @@ if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 
 import importlib  # noqa: E402
 import re  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -63,7 +68,7 @@ def import_optional(name: str):
   except ImportError as e:
     if in_ci() and name.split(".")[0] in REQUIRED_IN_CI:
       pytest.fail(f"{name} is required in CI (it is in the test extra): {e}", pytrace=False)
-    pytest.skip(f"{name} is not installed")
+    pytest.skip(f"{name} is not installed", allow_module_level=True)
 
 
 def import_torch():
@@ -111,3 +116,34 @@ def standard_promotion():
   jax_lossscale's own code runs under strict promotion everywhere else.
   """
   return jax.numpy_dtype_promotion("standard")
+
+
+@jax.jit
+def _slow_batch(x, n):
+  def body(_, m):
+    return jnp.tanh(m @ m) * np.float32(0.5)
+
+  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
+  # Depends on the loop's result, equals x (m is finite and bounded).
+  return x + jnp.zeros_like(x) * m[0, 0]
+
+
+def slow_batch(x, n):
+  """``x`` unchanged, after ``n`` dependent 256x256 matmuls (a long device computation).
+
+  Whatever is computed from the result cannot be ready before the loop ends;
+  so code that returns while the result is not ready has not waited for it
+  (on CPU ``jax.transfer_guard`` never fires for device-resident values, so
+  this is how "no host sync" is proven).
+  """
+  return _slow_batch(x, n)
+
+
+def calibrated_iterations(x, seconds=1.0):
+  """Loop length for which :func:`slow_batch` runs about ``seconds``."""
+  n = 64
+  _slow_batch(x, n).block_until_ready()  # compile
+  t0 = time.perf_counter()
+  _slow_batch(x, n).block_until_ready()
+  dt = max(time.perf_counter() - t0, 1e-4)
+  return int(min(max(n * seconds / dt, 64), 1_000_000))

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from conftest import calibrated_iterations, slow_batch
 from jax_lossscale.flax import TrainState
 
 N_STEPS = 5
@@ -110,28 +111,6 @@ PATHS = {
 }
 
 
-@jax.jit
-def _slow_batch(x, n):
-  """``x`` unchanged, after ``n`` dependent matmuls (a long device computation)."""
-
-  def body(_, m):
-    return jnp.tanh(m @ m) * np.float32(0.5)
-
-  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
-  # Depends on the loop's result, equals x (m is finite and bounded).
-  return x + jnp.zeros_like(x) * m[0, 0]
-
-
-def _calibrated_iterations(x, seconds=1.0):
-  """Loop length for which ``_slow_batch`` runs about ``seconds``."""
-  n = 64
-  _slow_batch(x, n).block_until_ready()  # compile
-  t0 = time.perf_counter()
-  _slow_batch(x, n).block_until_ready()
-  dt = max(time.perf_counter() - t0, 1e-4)
-  return int(min(max(n * seconds / dt, 64), 1_000_000))
-
-
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_step_loop_does_not_wait_for_the_device(path):
   state, step = PATHS[path]()
@@ -140,10 +119,10 @@ def test_step_loop_does_not_wait_for_the_device(path):
   # Compile and run once outside the measured loop.
   state = step(state, x)
   jax.block_until_ready(state)
-  n = _calibrated_iterations(x)
+  n = calibrated_iterations(x)
 
   t0 = time.perf_counter()
-  slow = _slow_batch(x, n)
+  slow = slow_batch(x, n)
   with jax.transfer_guard_device_to_host("disallow"):
     for _ in range(N_STEPS):
       state = step(state, slow)

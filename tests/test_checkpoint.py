@@ -23,7 +23,10 @@ import numpy as np
 import optax
 import pytest
 
-ocp = pytest.importorskip("orbax.checkpoint") if __name__ != "__main__" else None
+if __name__ != "__main__":
+  from conftest import import_optional
+
+  ocp = import_optional("orbax.checkpoint")
 
 import jax_lossscale as jls  # noqa: E402
 
@@ -132,7 +135,13 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, uninterrupted):
   assert int(ls.skipped_steps) == len(BAD_STEPS)
   mid_ls = mid["opt_state"].loss_scale
   assert 0 < int(mid_ls.skipped_steps) < len(BAD_STEPS)
-  assert float(ls.scale) != float(mid_ls.scale) != 2.0**8
+  # Literal values (init 2**8, growth 1.5 every 2 clean steps, hysteresis 2):
+  # grows to 384, holds one overflow, backs off to 192 (saved), grows to 288,
+  # holds, backs off to 144 and 72, grows to 108.
+  assert float(mid_ls.scale) == 192.0 and int(mid_ls.growth_tracker) == 1
+  assert int(mid_ls.hysteresis_tracker) == 0
+  assert float(ls.scale) == 108.0 and int(ls.growth_tracker) == 0
+  assert int(ls.hysteresis_tracker) == 2 and int(ls.consecutive_skips) == 0
 
 
 def test_restore_keeps_dtypes_structure_and_config(tmp_path, uninterrupted):

@@ -1,5 +1,7 @@
 """``metrics`` and ``nonfinite_leaves``: jit-safe values for loggers, no host sync."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from conftest import calibrated_iterations, slow_batch
 
 KEYS = ["scale", "growth_tracker", "last_step_skipped", "skipped_steps", "consecutive_skips"]
 
@@ -52,7 +55,13 @@ def test_metrics_dtypes_and_nested_states():
     jls.metrics(optax.sgd(0.1).init({"w": jnp.zeros(2)}))
 
 
-def test_metrics_inside_jit_without_host_transfer():
+def test_metrics_and_report_do_not_wait_for_the_device():
+  """Reading metrics (jitted and eager) and the per-leaf report never syncs.
+
+  The gradients come out of :func:`conftest.slow_batch`, so the step, the
+  metrics and the report all depend on a ~1 s device computation: had any of
+  them waited for a device value, the calls could only return after it.
+  """
   tx = jls.dynamic_loss_scale(optax.sgd(0.1))
   state = tx.init({"w": jnp.zeros(2, jnp.float32)})
 
@@ -62,13 +71,25 @@ def test_metrics_inside_jit_without_host_transfer():
     _, state = tx.update(g, state)
     return state, jls.metrics(state), grads_report
 
-  g = {"w": jnp.asarray([1.0, jnp.nan], jnp.float32)}
-  step(state, g)  # compile first
-  with jax.transfer_guard_device_to_host("disallow"):
-    state, m, report = step(state, g)
-    m2 = jls.metrics(state)  # eager: no device-to-host copy either
+  g = jnp.asarray([1.0, jnp.nan], jnp.float32)
+  step(state, {"w": g})  # compile first, and warm the eager paths
+  jls.metrics(state), jls.nonfinite_leaves({"w": g})
+  n = calibrated_iterations(g)
+
+  t0 = time.perf_counter()
+  slow = slow_batch(g, n)
+  new_state, m, report = step(state, {"w": slow})
+  m2 = jls.metrics(new_state)  # eager, on device values
+  report2 = jls.nonfinite_leaves({"w": slow})
+  returned_s = time.perf_counter() - t0
+  still_running = not slow.is_ready() and not m2["scale"].is_ready()
+  jax.block_until_ready((m, m2, report, report2))
+  total_s = time.perf_counter() - t0
+  assert still_running, (returned_s, total_s)
+  assert returned_s < total_s / 2, (returned_s, total_s)
   assert bool(m["last_step_skipped"]) and bool(m2["last_step_skipped"])
-  assert bool(report["w"])
+  assert m2["scale"].item() == 2.0**15 and int(m2["skipped_steps"]) == 1
+  assert bool(report["w"]) and bool(report2["w"])
 
 
 def test_nonfinite_leaves_reports_each_leaf(maybe_jit):
