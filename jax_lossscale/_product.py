@@ -14,6 +14,7 @@ random, boundary and power-of-two scales.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -135,5 +136,30 @@ def scale_product(scale: jax.Array, factor: float) -> jax.Array:
   scale = jnp.asarray(scale, jnp.float32)
   if float(np.float32(factor)) == factor:
     out = scale * np.float32(factor)
-    return jnp.where(out < np.float32(np.finfo(np.float32).tiny), jnp.float32(0), out)
-  return _exact_product(scale, factor)
+  else:
+    out = _exact_product(scale, factor)
+  # Products just below 2**-126 round *up* to it in float64 -> float32, but
+  # XLA:CPU flushes them to zero first: compare the scale with the host-computed
+  # smallest scale whose product is normal instead.
+  tiny = np.float32(_TINY)
+  return jnp.where(scale >= _smallest_normal_result(factor), jnp.maximum(out, tiny), jnp.float32(0))
+
+
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+@functools.lru_cache(maxsize=None)
+def _smallest_normal_result(factor: float) -> np.float32:
+  """The smallest positive float32 ``s`` with ``float32(float64(s) * factor) >= 2**-126``."""
+  lo, hi = 1, 0x7F7FFFFF  # bit patterns of positive finite float32s
+  product = lambda bits: np.float32(np.float64(np.uint32(bits).view(np.float32)) * factor)
+  with np.errstate(over="ignore"):
+    if product(hi) < _TINY:
+      return np.float32(np.inf)
+    while lo < hi:  # the product is monotonic in s
+      mid = (lo + hi) // 2
+      if product(mid) >= _TINY:
+        hi = mid
+      else:
+        lo = mid + 1
+  return np.uint32(lo).view(np.float32)
