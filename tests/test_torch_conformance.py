@@ -1,7 +1,8 @@
 """Bit-for-bit conformance with the real ``torch.amp.GradScaler("cpu")``.
 
 Every step compares: the skip decision, the scale, the growth tracker, the
-unscaled gradients, the updates (= minus the unscaled gradients under SGD(lr=1),
+unscaled gradients (from float32 copies of the float16 gradients, and from the
+float16 arrays themselves), the updates (= minus the unscaled gradients under SGD(lr=1),
 -0.0 on skipped steps) and the parameters. Torch must be installed in CI
 (``conftest.import_torch`` fails there instead of skipping).
 """
@@ -60,6 +61,23 @@ def test_trajectory_matches_torch_bit_for_bit(name, config, steps, opts, flush):
   # The sequence really exercised both branches and growth.
   assert 0 < sum(tr.skipped) < steps
   assert len(set(map(float, tr.scale))) > 2
+
+
+@pytest.mark.parametrize("name,config,steps,opts,flush", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_float16_gradient_arrays_match_torch(name, config, steps, opts, flush):
+  """The jax side gets the float16 arrays a float16 backward pass returns (torch,
+  which refuses to unscale float16 gradients, gets their float32 copies): the
+  skips, scales, trackers, unscaled values, updates and params are the same bits."""
+  import_torch()
+  seq = sbs.make_sequence(seed=zlib.crc32(name.encode()), steps=steps, **opts)
+  if name == "defaults":
+    seq = seq[:400]  # the growth at step 2000 is covered by the float32 run
+  tr = sbs.run_torch(seq, config)
+  jx = sbs.run_jax(seq, config, jit=True, grad_dtype=np.float16)
+  assert sbs.compare(jx, tr, flush=flush) == len(seq)
+  assert all(u.dtype == np.float32 for step in jx.unscaled for u in step)
+  assert all(u.dtype == np.float32 for step in jx.updates for u in step)
+  assert 0 < sum(tr.skipped) < len(seq)
 
 
 @pytest.mark.parametrize("name,config,steps,opts,flush", CONFIGS, ids=[c[0] for c in CONFIGS])

@@ -3,7 +3,8 @@
 Shared by the CPU conformance tests and the GPU check. Each step feeds the same
 float16-valued gradient pytree to torch (SGD(lr=1) on float32 params, grads as
 float32 tensors since torch refuses to unscale float16 grads) and to
-``dynamic_loss_scale(optax.sgd(1.0))``, and records everything that must match.
+``dynamic_loss_scale(optax.sgd(1.0))`` (as float32 copies, or as the float16
+arrays themselves with ``grad_dtype``), and records everything that must match.
 """
 
 from __future__ import annotations
@@ -116,7 +117,13 @@ def run_torch(seq, config: Dict, device: str = "cpu") -> Trace:
   return out
 
 
-def run_jax(seq, config: Dict, *, jit: bool = True, device=None) -> Trace:
+def run_jax(seq, config: Dict, *, jit: bool = True, device=None, grad_dtype=np.float32) -> Trace:
+  """The same sequence through ``dynamic_loss_scale(optax.sgd(1.0))``.
+
+  ``grad_dtype=np.float16`` feeds the float16 gradient arrays themselves (as a
+  float16 backward pass returns them); the default feeds float32 copies, as
+  torch gets them. The params are float32 either way, so the updates are.
+  """
   tx = jls.dynamic_loss_scale(optax.sgd(1.0), **config)
   put = (lambda x: jax.device_put(x, device)) if device is not None else jnp.asarray
   params = [put(np.zeros(s, np.float32)) for s in SHAPES]
@@ -131,7 +138,7 @@ def run_jax(seq, config: Dict, *, jit: bool = True, device=None) -> Trace:
   out = Trace([], [], [], [], [], [])
   for step_data in seq:
     leaves = step_data.scaled(np.asarray(state.loss_scale.scale))
-    grads = [put(g.astype(np.float32)) for g in leaves]
+    grads = [put(g.astype(grad_dtype)) for g in leaves]
     unscaled, updates, params, new_state = step(grads, state, params)
     out.updates.append([np.asarray(u) for u in updates])
     s = new_state.loss_scale
