@@ -3,9 +3,12 @@
 Eight CPU devices (conftest). The model is chosen so that its gradients are
 exact in float32 whatever the reduction order (small integer data, power-of-two
 scales), so sharded runs can be compared bit for bit with one device running
-the same global batch.
+the same global batch. The sharded runs use both mesh axis types: Explicit
+(``jax.make_mesh``'s default since JAX 0.7, under ``jax.set_mesh``) and Auto.
+Many processes: tests/test_multiprocess.py.
 """
 
+import contextlib
 import importlib
 import warnings
 
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
@@ -25,9 +28,37 @@ STEPS = 8
 BAD_STEPS = {2: np.inf, 3: np.nan, 4: -np.inf}  # step -> value injected
 BAD_ROW, BAD_COL = 9, 13  # batch row (device 2's data shard), feature (device 6's params)
 
+# Written out by hand from the rule (init 2**10, growth_interval 2, hysteresis 2,
+# backoff 0.5, growth 2; overflows at steps 2, 3, 4): (scale, growth_tracker,
+# hysteresis_tracker, skipped_steps, consecutive_skips) after each step.
+EXPECTED_TRAJECTORY = [
+    (1024.0, 1, 2, 0, 0),  # clean
+    (2048.0, 0, 2, 0, 0),  # clean: 2nd in a row, grows; hysteresis refilled
+    (2048.0, 0, 1, 1, 1),  # overflow absorbed by hysteresis: skipped, scale kept
+    (1024.0, 0, 0, 2, 2),  # overflow: hysteresis spent, backs off
+    (512.0, 0, 0, 3, 3),  # overflow: backs off again (tracker stays at 0)
+    (512.0, 1, 0, 3, 0),  # clean
+    (1024.0, 0, 2, 3, 0),  # clean: grows, hysteresis refilled
+    (1024.0, 1, 2, 3, 0),  # clean
+]
+
 pytestmark = pytest.mark.skipif(
     jax.device_count() < N_DEV, reason="needs 8 devices (set by conftest)"
 )
+
+AXIS_TYPES = [pytest.param(AxisType.Explicit, id="explicit"),
+              pytest.param(AxisType.Auto, id="auto")]
+
+
+def _mesh(axis_type):
+  return Mesh(np.array(jax.devices()[:N_DEV]), ("d",), axis_types=(axis_type,))
+
+
+def _in_mesh(mesh):
+  """``jax.set_mesh(mesh)`` for Explicit axes (where users need it), a no-op for Auto."""
+  if mesh.axis_types[0] == AxisType.Explicit:
+    return jax.set_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 def _shard_map_impls():
@@ -97,9 +128,8 @@ def _run_single_device():
 @pytest.fixture(scope="module")
 def reference():
   params, opt_state, trajectory = _run_single_device()
-  # The scenario exercises skipping, hysteresis, backoff and growth.
-  assert [t[3] for t in trajectory] == [0, 0, 1, 2, 3, 3, 3, 3]
-  assert len({t[0] for t in trajectory}) >= 3
+  # Skipping, hysteresis, backoff and growth, each at the step the rule says.
+  assert trajectory == EXPECTED_TRAJECTORY
   return params, opt_state, trajectory
 
 
@@ -121,39 +151,38 @@ def _assert_same_on_every_device(tree):
       np.testing.assert_array_equal(s, shards[0])
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
-def test_jit_named_sharding_matches_single_device(reference, layout):
+def test_jit_named_sharding_matches_single_device(reference, layout, axis_type):
   ref_params, ref_state, ref_trajectory = reference
-  mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("d",))
+  mesh = _mesh(axis_type)
   xs, params = _data()
   tx = _make_tx()
   batch_sharding = NamedSharding(mesh, P("d", None))  # the batch is always split
   param_sharding = NamedSharding(mesh, P("d", None) if layout == "fsdp" else P())
   replicated = NamedSharding(mesh, P())
-  params = jax.device_put(params, param_sharding)
-  opt_state = tx.init(params)
-  # Optimizer state sharded like the params (FSDP), the scale state replicated.
-  opt_state = opt_state._replace(
-      loss_scale=jax.device_put(opt_state.loss_scale, replicated),
-      inner_state=jax.tree_util.tree_map(
-          lambda x: jax.device_put(x, param_sharding if x.ndim == 2 else replicated),
-          opt_state.inner_state,
-      ),
-  )
-  in_shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
-  step = _jit_step(tx)
-  step = jax.jit(step, in_shardings=(*in_shardings, batch_sharding),
-                 out_shardings=in_shardings)
-  trajectory = []
-  for x in xs:
-    x = jax.device_put(x, batch_sharding)
-    if layout == "fsdp":  # the inf lies in one device's data shard only
+  with _in_mesh(mesh):
+    params = jax.device_put(params, param_sharding)
+    opt_state = tx.init(params)
+    # Eager init: momentum sharded like the params, the scale state replicated on their mesh.
+    _assert_same_on_every_device(opt_state.loss_scale)
+    for leaf in jax.tree_util.tree_leaves(opt_state.loss_scale):
+      assert leaf.sharding.is_equivalent_to(replicated, 0)
+    momentum = jax.tree_util.tree_leaves(opt_state.inner_state)[0]
+    assert momentum.sharding.is_equivalent_to(param_sharding, 2)
+    in_shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
+    step = _jit_step(tx)
+    step = jax.jit(step, in_shardings=(*in_shardings, batch_sharding),
+                   out_shardings=in_shardings)
+    trajectory = []
+    for x in xs:
+      x = jax.device_put(x, batch_sharding)
       holders = [s.device for s in x.addressable_shards
                  if not np.all(np.isfinite(np.asarray(s.data)))]
-      assert len(holders) in (0, 1)
-    params, opt_state = step(params, opt_state, x)
-    _assert_same_on_every_device(opt_state.loss_scale)
-    trajectory.append(_scale_fields(opt_state.loss_scale))
+      assert len(holders) in (0, 1)  # a bad value lies in one device's data shard only
+      params, opt_state = step(params, opt_state, x)
+      _assert_same_on_every_device(opt_state.loss_scale)
+      trajectory.append(_scale_fields(opt_state.loss_scale))
   assert trajectory == ref_trajectory
   _assert_bit_identical(params, ref_params)
   _assert_bit_identical(opt_state, ref_state)
@@ -205,15 +234,19 @@ def _pmap_step(tx):
   return run
 
 
-def _shard_map_step(impl):
-  mesh = Mesh(np.array(jax.devices()[:N_DEV]), ("d",))
+def _shard_map_step(impl, axis_type=AxisType.Auto):
+  mesh = _mesh(axis_type)
 
   def make(tx):
     f = jax.jit(impl(_per_device_step(tx, "d"), mesh=mesh,
                      in_specs=(P("d"), P("d"), P("d")), out_specs=(P("d"), P("d"))))
 
     def run(w_shards, state, x_shards):
-      w, state = f(w_shards.reshape(D, K), state, x_shards.reshape(B, D))
+      # Inputs placed as in_specs say (Explicit axes require it; Auto accepts it).
+      split = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))  # noqa: E731
+      args = (w_shards.reshape(D, K), state, x_shards.reshape(B, D))
+      with _in_mesh(mesh):
+        w, state = f(*jax.tree_util.tree_map(split, args))
       return w.reshape(N_DEV, D // N_DEV, K), state
 
     return run
@@ -244,19 +277,47 @@ def test_pmap_axis_name_combines_overflow(reference):
   _check_per_device(reference, result)
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("impl", _shard_map_impls())
-def test_shard_map_axis_name_combines_overflow(reference, impl):
+def test_shard_map_axis_name_combines_overflow(reference, impl, axis_type):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
-    result = _run_per_device(_shard_map_step(impl), combine=True)
+    result = _run_per_device(_shard_map_step(impl, axis_type), combine=True)
   _check_per_device(reference, result)
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("impl", _shard_map_impls()[:1])
-def test_without_axis_name_devices_diverge(reference, impl):
+def test_without_axis_name_devices_diverge(reference, impl, axis_type):
   """The control: a local overflow flag lets the scale states drift apart."""
-  _, _, per_step = _run_per_device(_shard_map_step(impl), combine=False)
+  _, _, per_step = _run_per_device(_shard_map_step(impl, axis_type), combine=False)
   first_bad = min(BAD_STEPS)
   skipped = np.asarray(per_step[first_bad].skipped_steps)
   assert skipped[BAD_COL // (D // N_DEV)] == 1  # the device holding the inf skipped
   assert int(skipped.sum()) == 1  # ... alone
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_axis_name_under_plain_jit_is_a_clear_value_error(axis_type, maybe_jit):
+  """``axis_name`` is for per-device code (shard_map/pmap); under jit with sharded arrays
+  the check already sees the global gradients, and the misuse says so."""
+  from jax_lossscale.flax import value_and_grad
+
+  mesh = _mesh(axis_type)
+  xs, params = _data()
+  tx = _make_tx(axis_name="d")
+  message = r"(?s)axis_name='d' is not a bound axis.*shard_map.*pmap.*jit.*axis_name=None"
+  with _in_mesh(mesh):
+    params = jax.device_put(params, NamedSharding(mesh, P("d", None)))
+    x = jax.device_put(xs[0], NamedSharding(mesh, P("d", None)))
+    opt_state = tx.init(params)
+
+    def step(params, opt_state, x):
+      grads = jax.grad(lambda p: jls.scale_loss(_loss(p, x), opt_state))(params)
+      return tx.update(grads, opt_state, params)
+
+    with pytest.raises(ValueError, match=message):
+      maybe_jit(step)(params, opt_state, x)
+    scaled_grad = value_and_grad(lambda p: _loss(p, x), opt_state, axis_name="d")
+    with pytest.raises(ValueError, match=message):
+      maybe_jit(scaled_grad)(params)
