@@ -7,22 +7,32 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from conftest import standard_promotion
+from conftest import import_optional, standard_promotion
+
+chex = import_optional("chex")
 
 
 def bits(tree):
-  """Leaves as raw bit patterns, for bit-identity checks (-0.0 != 0.0 here)."""
-  out = []
-  for x in jax.tree_util.tree_leaves(tree):
+  """Float leaves as raw bit patterns (unsigned ints), so -0.0 != 0.0 and NaN == NaN."""
+
+  def view(x):
     x = np.asarray(x)
-    out.append(x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind == "f" else x)
-  return out
+    return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind == "f" else x
+
+  return jax.tree_util.tree_map(view, tree)
 
 
 def assert_bit_identical(a, b):
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(bits(a), bits(b)):
-    np.testing.assert_array_equal(x, y)
+  """Same structure, shapes, dtypes and bits (chex alone treats -0.0 and 0.0 as equal)."""
+  chex.assert_trees_all_equal(bits(a), bits(b), strict=True)
+
+
+def test_assert_bit_identical_tells_signed_zeros_apart():
+  assert_bit_identical({"w": jnp.asarray([-0.0, jnp.nan])}, {"w": jnp.asarray([-0.0, jnp.nan])})
+  with pytest.raises(AssertionError):
+    assert_bit_identical({"w": jnp.asarray([-0.0])}, {"w": jnp.asarray([0.0])})
+  with pytest.raises(AssertionError):
+    assert_bit_identical({"w": jnp.asarray([1.0], jnp.float32)}, {"w": jnp.asarray([1], jnp.int32)})
 
 
 PARAMS = {
@@ -114,10 +124,11 @@ def test_clean_steps_equal_inner_on_unscaled_grads(start_params, maybe_jit, adam
 
 
 def test_no_recompilation_and_no_dtype_drift(adam_promotion):
-  traces = []
   tx = jls.dynamic_loss_scale(optax.adam(1e-3), init_scale=8.0, growth_interval=2)
+  traces = []
 
   @jax.jit
+  @chex.assert_max_traces(n=1)  # a second trace (e.g. on the second step) raises
   def step(params, state, grads):
     traces.append(1)
     updates, state = tx.update(grads, state, params)
