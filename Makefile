@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench clean
+.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench mutate clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
@@ -14,6 +14,7 @@ help:
 	@echo "make bench-quick - the two ~1M-parameter benchmark models only (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
+	@echo "make mutate      - mutation testing of the core modules (~30 min), writes tests/mutation-report.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +51,10 @@ gpu-check:
 BENCH_OUT ?= benchmarks/results
 gpu-bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench.py --quick --name bench-gpu-quick --out $(BENCH_OUT)
+
+# Not part of `make test` or CI: run it before stopping whenever the update path changed.
+mutate: $(STAMP)
+	$(PY) tests/mutate.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache $(OUT)
