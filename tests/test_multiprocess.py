@@ -21,9 +21,11 @@ instead of skipping.
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -52,6 +54,18 @@ def _env():
   return env
 
 
+def _wait_all(procs, timeout):
+  """Exit codes once all have exited; ``None`` on timeout. Stops early when one fails
+  (the others would wait for it in a collective until the timeout)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    codes = [p.poll() for p in procs]
+    if None not in codes or any(c not in (None, 0) for c in codes):
+      return codes
+    time.sleep(0.1)
+  return None
+
+
 def launch(argv_for, n, out, timeout=LAUNCH_TIMEOUT):
   """Starts ``n`` processes, waits for all; kills them all if one fails or time runs out."""
   os.makedirs(out, exist_ok=True)
@@ -62,9 +76,7 @@ def launch(argv_for, n, out, timeout=LAUNCH_TIMEOUT):
       logs.append(log)
       procs.append(subprocess.Popen(argv_for(i), stdout=log, stderr=subprocess.STDOUT,
                                     env=_env(), cwd=ROOT))
-    codes = [p.wait(timeout=timeout) for p in procs]
-  except subprocess.TimeoutExpired:
-    codes = None
+    codes = _wait_all(procs, timeout)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -76,6 +88,7 @@ def launch(argv_for, n, out, timeout=LAUNCH_TIMEOUT):
       f"--- process {i} ---\n" + _tail(os.path.join(out, f"log-{i}.txt")) for i in range(n))
   if codes is None:
     pytest.fail(f"multi-process launch timed out after {timeout} s\n{tails}")
+  codes = [p.returncode for p in procs]  # the others, killed after one failed: negative
   if 3 in codes:
     message = f"gloo CPU collectives are not available\n{tails}"
     pytest.fail(message) if IN_CI else pytest.skip(message)
@@ -252,3 +265,38 @@ def test_host_readers_agree_in_every_process(runs, scenario):
   ref, _ = runs["ref_train"]
   assert ref[scenario]["host"]["scale_fully_addressable"]  # one process holds everything
   assert ref[scenario]["host"]["metrics"] == expected
+
+
+# -- examples/multi_host.py --------------------------------------------------------------
+
+
+def test_example_multi_host_smoke():
+  """The example launches its own 2 workers; both print the same loss, scale and skips."""
+  env = _env()
+  # Its own process group: on a timeout the launcher and its two workers go together.
+  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "multi_host.py"),
+                           "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=ROOT, start_new_session=True)
+  try:
+    out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    out, err = proc.communicate()
+    pytest.fail(f"examples/multi_host.py --smoke timed out\n{out}\n{err}")
+  if proc.returncode != 0 and "gloo" in err.lower() and not IN_CI:
+    pytest.skip(f"gloo CPU collectives are not available\n{err[-2000:]}")
+  assert proc.returncode == 0, f"{out}\n{err}"
+  assert "FAILED" not in out + err
+  views = {}
+  for line in out.splitlines():
+    m = re.match(r"\[process (\d)\] (.*)$", line)
+    if m:
+      views.setdefault(int(m.group(1)), []).append(m.group(2))
+  assert sorted(views) == [0, 1]
+  assert views[0] == views[1]  # the same loss, scale and skip count in both processes
+  assert views[0][0] == "4 of 8 devices (cpu), 2 processes"
+  final = re.match(r"final loss ([\d.]+) \(first applied step ([\d.]+)\), scale (\d+), "
+                   r"skipped steps (\d+)$", views[0][-1])
+  assert final, views[0][-1]
+  assert float(final.group(1)) < 0.5 * float(final.group(2))
+  assert int(final.group(4)) > 0
