@@ -1,0 +1,291 @@
+"""The benchmark's variants: one small builder per way of writing the train step.
+
+Every variant runs the same full train step (forward + backward + Adam
+update) on a model's ``loss_fn``; a builder takes that ``loss_fn`` and returns
+a fresh :class:`Variant` (fresh closures, so nothing is cached across builds).
+Builders register themselves with :func:`variant`; :data:`REGISTRY` keeps
+their order, which is the column order of the report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jax_lossscale as jls
+
+LEARNING_RATE = 1e-4
+INIT_SCALE = 2.0**16
+STATIC_SCALE = 2.0**10  # optax.apply_if_finite: a static scale that never overflows here
+
+
+class Variant(NamedTuple):
+  init: Callable[[Any], Any]  # params -> train state (a pytree, donated)
+  step: Callable[..., Any]  # (state, x, y) -> (state, loss)
+  describe: Callable[[Any], Dict[str, Any]]  # final state -> notes
+
+
+class Spec(NamedTuple):
+  name: str
+  label: str
+  build: Callable[[Callable[..., Any]], Variant]  # loss_fn -> Variant
+  requires: Tuple[str, ...]  # "module" or "module:attribute"
+  peer: bool  # another library's loss scaling (the report compares against these)
+
+
+REGISTRY: Dict[str, Spec] = {}
+
+
+def variant(name: str, label: str, *, requires: Tuple[str, ...] = (), peer: bool = False):
+  """Registers the decorated ``build(loss_fn) -> Variant`` under ``name``."""
+
+  def register(build):
+    if name in REGISTRY:
+      raise ValueError(f"variant {name!r} is registered twice.")
+    REGISTRY[name] = Spec(name, label, build, tuple(requires), peer)
+    return build
+
+  return register
+
+
+def missing(name: str) -> Optional[str]:
+  """What variant ``name`` needs and is not installed, or ``None``."""
+  for req in REGISTRY[name].requires:
+    module, _, attr = req.partition(":")
+    if importlib.util.find_spec(module) is None:
+      return req
+    if attr and not hasattr(importlib.import_module(module), attr):
+      return req
+  return None
+
+
+def make_variant(name: str, loss_fn: Callable[..., Any]) -> Variant:
+  if name not in REGISTRY:
+    raise ValueError(f"variant must be one of {list(REGISTRY)}, got {name!r}.")
+  return REGISTRY[name].build(loss_fn)
+
+
+def scaled_loss_fn(loss_fn, scale_state, x, y):
+  """``p -> (jax_lossscale.scale_loss(loss), loss)``, for ``jax.grad(..., has_aux=True)``."""
+
+  def scaled(p):
+    loss = loss_fn(p, x, y)
+    return jls.scale_loss(loss, scale_state), loss
+
+  return scaled
+
+
+def _scale_notes(scale_state) -> Dict[str, Any]:
+  return {"scale": float(scale_state.scale), "skipped_steps": int(scale_state.skipped_steps)}
+
+
+# ----------------------------------------------------------------------------- this library
+
+
+@variant("baseline", "plain optax.adam")
+def baseline(loss_fn):
+  tx = optax.adam(LEARNING_RATE)
+
+  def step(state, x, y):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return Variant(lambda p: (p, tx.init(p)), step, lambda s: {})
+
+
+@variant("jax_lossscale", "jax_lossscale.dynamic_loss_scale")
+def jax_lossscale(loss_fn):
+  stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
+
+  def step(state, x, y):
+    params, opt_state = state
+    grads, loss = jax.grad(scaled_loss_fn(loss_fn, opt_state, x, y), has_aux=True)(params)
+    updates, opt_state = stx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return Variant(
+      lambda p: (p, stx.init(p)), step, lambda s: _scale_notes(jls.get_scale_state(s[1]))
+  )
+
+
+@variant("jls_trainstate", "jax_lossscale.flax.TrainState", requires=("flax",))
+def jls_trainstate(loss_fn):
+  from jax_lossscale import flax as jls_flax
+
+  tx = optax.adam(LEARNING_RATE)
+
+  def init(p):
+    return jls_flax.TrainState.create(
+        apply_fn=None, params=p, tx=tx,
+        dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
+    )
+
+  def step(state, x, y):
+    out = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+
+  return Variant(init, step, lambda s: {"scale": float(s.dynamic_scale.scale)})
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+@variant("flax", "Flax DynamicScale + where", requires=("flax",), peer=True)
+def flax_dynamic_scale(loss_fn):
+  from flax.training import dynamic_scale as flax_ds
+
+  tx = optax.adam(LEARNING_RATE)
+
+  def init(p):
+    ds = flax_ds.DynamicScale(
+        scale=jnp.asarray(INIT_SCALE, jnp.float32), fin_steps=jnp.zeros([], jnp.int32)
+    )
+    return (p, tx.init(p), ds)
+
+  def step(state, x, y):
+    params, opt_state, ds = state
+    ds, is_fin, loss, grads = ds.value_and_grad(loss_fn)(params, x, y)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # As flax/examples/imagenet/train.py.
+    select = lambda a, b: jnp.where(is_fin, a, b)  # noqa: E731
+    new_opt_state = jax.tree_util.tree_map(select, new_opt_state, opt_state)
+    new_params = jax.tree_util.tree_map(select, new_params, params)
+    return (new_params, new_opt_state, ds), loss
+
+  return Variant(init, step, lambda s: {"scale": float(s[2].scale)})
+
+
+@variant("jmp", "jmp DynamicLossScale + select_tree", requires=("jmp",), peer=True)
+def jmp_dynamic_loss_scale(loss_fn):
+  import jmp
+
+  tx = optax.adam(LEARNING_RATE)
+
+  # jmp 0.0.4's DynamicLossScale cannot be a `jit(...).lower` argument on
+  # current JAX (its __post_init__ calls eval_shape on the ArgInfo
+  # placeholders that lower() unflattens), so the train state carries its
+  # two arrays and the step rebuilds it, as one would with a checkpoint.
+  def init(p):
+    ls = jmp.DynamicLossScale(jnp.asarray(INIT_SCALE, jnp.float32))
+    return (p, tx.init(p), (ls.loss_scale, ls.counter))
+
+  def step(state, x, y):
+    params, opt_state, (scale, counter) = state
+    loss_scale = jmp.DynamicLossScale(scale, counter)
+
+    def scaled(p):
+      loss = loss_fn(p, x, y)
+      return loss_scale.scale(loss), loss
+
+    grads, loss = jax.grad(scaled, has_aux=True)(params)
+    grads = loss_scale.unscale(grads)
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+        grads_finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return (params, opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
+
+  return Variant(init, step, lambda s: {"scale": float(s[2][0])})
+
+
+@variant("optax_aif", "optax.apply_if_finite (static scale)", peer=True)
+def optax_apply_if_finite(loss_fn):
+  atx = optax.apply_if_finite(optax.adam(LEARNING_RATE), max_consecutive_errors=1_000_000)
+  inv = np.float32(1.0 / STATIC_SCALE)
+
+  def step(state, x, y):
+    params, opt_state = state
+
+    def scaled(p):
+      loss = loss_fn(p, x, y)
+      return loss * np.float32(STATIC_SCALE), loss
+
+    grads, loss = jax.grad(scaled, has_aux=True)(params)
+    grads = jax.tree_util.tree_map(lambda g: g * inv, grads)
+    updates, opt_state = atx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return Variant(
+      lambda p: (p, atx.init(p)),
+      step,
+      lambda s: {"skipped_steps": int(s[1].total_notfinite), "scale": STATIC_SCALE},
+  )
+
+
+# ----------------------------------------------------------------------------- references
+
+
+@variant("cond_ref", "reference: same scaler, lax.cond skip (not shipped)")
+def cond_reference(loss_fn):
+  tx = optax.adam(LEARNING_RATE)
+
+  def init(p):
+    return (p, tx.init(p), jls.DynamicScaleState.create(init_scale=INIT_SCALE))
+
+  def step(state, x, y):
+    params, opt_state, ds = state
+    grads, loss = jax.grad(scaled_loss_fn(loss_fn, ds, x, y), has_aux=True)(params)
+    grads, finite = jls.unscale_and_check(grads, ds)
+
+    def apply(operands):
+      params, opt_state = operands
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda o: o, (params, opt_state))
+    return (params, opt_state, jls.update_scale(ds, finite)), loss
+
+  return Variant(init, step, lambda s: _scale_notes(s[2]))
+
+
+@variant(
+    "jls_diagnostics",
+    "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
+    requires=("jax_lossscale:grad_diagnostics",),
+)
+def jls_with_diagnostics(loss_fn):
+  """The ``jax_lossscale`` step plus the per-layer diagnostics of every step.
+
+  The diagnostics (a flat dict of scalars) are kept in the train state, as a
+  logger's buffer would hold the last step's values, so XLA cannot drop them.
+  """
+  stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
+
+  def diagnose(grads, opt_state):
+    return jls.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)
+
+  def init(p):
+    opt_state = stx.init(p)
+    shapes = jax.eval_shape(diagnose, p, opt_state)
+    return (p, opt_state, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+  def step(state, x, y):
+    params, opt_state, _ = state
+    grads, loss = jax.grad(scaled_loss_fn(loss_fn, opt_state, x, y), has_aux=True)(params)
+    diagnostics = diagnose(grads, opt_state)
+    updates, opt_state = stx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state, diagnostics), loss
+
+  def describe(state):
+    notes = _scale_notes(jls.get_scale_state(state[1]))
+    notes["diagnostics"] = len(state[2])
+    return notes
+
+  return Variant(init, step, describe)
+
+
+VARIANTS = list(REGISTRY)
+PEERS = [name for name, spec in REGISTRY.items() if spec.peer]
+VARIANT_LABELS = {name: spec.label for name, spec in REGISTRY.items()}
