@@ -267,17 +267,23 @@ def host_readers(mesh, state):
 
 
 def eager_init_recipe(mesh_auto, params_np, ckpt_dir):
-  """README recipe: eager ``tx.init`` on global params, no ``set_mesh``, then Orbax save."""
+  """README recipe: eager ``tx.init`` and ``TrainState.create`` on global params, no
+  ``set_mesh``, then an Orbax save from every process."""
   import orbax.checkpoint as ocp
 
   params = {k: put_global(mesh_auto, s, params_np[k]) for k, s in param_specs("fsdp").items()}
   opt_state = make_tx().init(params)
-  ls = jls.get_scale_state(opt_state)
-  out = {"scale_sharding": str(ls.scale.sharding),
-         "scale_fully_addressable": bool(ls.scale.is_fully_addressable)}
+  ts = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2),
+                         dynamic_scale=make_scaler())
+  scalars = [*jax.tree_util.tree_leaves(jls.get_scale_state(opt_state)), ts.step,
+             *jax.tree_util.tree_leaves(ts.dynamic_scale)]
+  out = {"scale_sharding": str(jls.get_scale_state(opt_state).scale.sharding),
+         "scalar_specs": sorted({spec_text(a) for a in scalars}),
+         "scale_fully_addressable": any(a.is_fully_addressable for a in scalars)}
   try:
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(ckpt_dir, "eager_init"), {"params": params, "opt_state": opt_state})
+    ckptr.save(os.path.join(ckpt_dir, "eager_init"),
+               {"params": params, "opt_state": opt_state, "trainstate": ts})
     ckptr.wait_until_finished()
     ckptr.close()
     out["saved"] = True

@@ -239,11 +239,14 @@ def test_checkpoint_of_two_processes_resumes_in_one_process_of_eight_devices(run
 
 
 def test_eager_init_on_global_params_gives_a_state_orbax_saves(runs):
-  """README recipe: ``tx.init(params)`` eagerly, params global arrays, no ``set_mesh``."""
+  """README recipe: ``tx.init(params)`` and ``TrainState.create`` eagerly on global params,
+  no ``set_mesh``: every scalar of the scale state (and the step) is a global array,
+  replicated on the params' mesh, and Orbax saves it from both processes."""
   for r, _ in runs["train"]:
     info = r["eager_init"]
     assert info["saved"], info
     assert not info["scale_fully_addressable"], info
+    assert info["scalar_specs"] == ["()"], info
 
 
 # -- host-side readers ----------------------------------------------------------------
