@@ -12,10 +12,14 @@ ways and measures what float16 does to the gradients:
 With ``--param-dtype float16`` the parameters themselves (and so the
 gradients and updates) are float16 in the two float16 runs.
 
-"Underflow" is measured on sampled steps: the run's gradient (float16
-backward, unscaled) is compared with the float32 gradient at the same
-parameters and batch, and the fraction of the float32-non-zero elements that
-came out exactly zero is reported.
+"Underflow" is measured on sampled steps with ``jax_lossscale.check_underflow``:
+the run's gradient (float16 backward at the run's scale, unscaled) is compared
+with the float32 gradient at the same parameters and batch, and the fraction of
+the float32-non-zero elements that came out exactly zero is reported.
+
+``main`` is four named steps: ``build`` (data, initial parameters, runs),
+``train_run`` (one run, chunk by chunk, with ``probe_underflow`` before each
+chunk), ``make_report`` and ``write_outputs``.
 
 Usage::
 
@@ -35,7 +39,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Dict, List, NamedTuple, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 RUNS = ("float32", "float16", "float16 + scaling")
 
@@ -154,219 +158,245 @@ class Run(NamedTuple):
   scaled: bool
 
 
-def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
-  args = parse_args(argv)
-  # Imported after argument parsing, so that --help and errors are instant.
+class Setup(NamedTuple):
+  """What every run shares: flags, data, initial parameters, batches, chunks."""
+
+  args: argparse.Namespace
+  x_train: Any
+  y_train: Any
+  x_test: Any
+  y_test: Any
+  sizes: List[int]
+  params0: Any
+  batch_key: Any
+  chunks: List[Tuple[int, int]]  # [start, stop) of each scanned chunk; a probe before each
+  runs: List[Run]
+
+
+class RunFns(NamedTuple):
+  tx: Any
+  train_chunk: Callable
+  probe: Callable
+  evaluate: Callable
+
+
+def logits_fn(params, x, dtype, taps=None):
+  """The MLP in ``dtype``; ``taps`` (zeros, cast to ``dtype``) are added to each
+  pre-activation so that their gradients are the activation gradients."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
+
+  h = x.astype(dtype)
+  for i, layer in enumerate(params):
+    h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)
+    if taps is not None:
+      h = h + taps[i].astype(dtype)
+    if i < len(params) - 1:
+      h = jax.nn.relu(h)
+  return h.astype(jnp.float32)  # softmax and loss in float32
+
+
+def loss_fn(params, x, y, dtype, taps=None):
   import optax
 
-  import jax_lossscale as jls
+  logits = logits_fn(params, x, dtype, taps)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def build(args: argparse.Namespace) -> Setup:
+  """Step 1: data, initial parameters, batch schedule and the three runs."""
+  import jax
+  import jax.numpy as jnp
 
   x_train, x_test, y_train, y_test = load_data(args.seed, args.test_fraction)
-  x_train_j, y_train_j = jnp.asarray(x_train), jnp.asarray(y_train)
-  x_test_j, y_test_j = jnp.asarray(x_test), jnp.asarray(y_test)
   sizes = [x_train.shape[1]] + [args.hidden] * args.depth + [10]
-
-  def init_params(key):
-    params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
-      key, sub = jax.random.split(key)
-      std = args.init_scale * math.sqrt(2.0 / fan_in)
-      w = std * jax.random.normal(sub, (fan_in, fan_out), jnp.float32)
-      params.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
-    return params
-
-  def logits_fn(params, x, dtype, taps=None):
-    """The MLP in ``dtype``; ``taps`` (zeros) are added to each pre-activation
-    so that their gradients are the activation gradients."""
-    h = x.astype(dtype)
-    for i, layer in enumerate(params):
-      h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)
-      if taps is not None:
-        h = h + taps[i]
-      if i < len(params) - 1:
-        h = jax.nn.relu(h)
-    return h.astype(jnp.float32)  # softmax and loss in float32
-
-  def loss_fn(params, x, y, dtype, taps=None):
-    logits = logits_fn(params, x, dtype, taps)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  def batch_indices(key, step):
-    return jax.random.randint(
-        jax.random.fold_in(key, step), (args.batch_size,), 0, x_train.shape[0]
-    )
-
-  def make_tx(run: Run):
-    adam = optax.adam(args.lr)
-    if run.scaled:
-      return jls.dynamic_loss_scale(
-          adam, init_scale=args.init_loss_scale, growth_interval=args.growth_interval
-      )
-    return jls.no_loss_scale(adam)  # scale 1: plain Adam, same state layout
-
-  key = jax.random.PRNGKey(args.seed)
-  init_key, batch_key = jax.random.split(key)
-  params0 = init_params(init_key)
-
+  init_key, batch_key = jax.random.split(jax.random.PRNGKey(args.seed))
+  params0 = []
+  key = init_key
+  for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+    key, sub = jax.random.split(key)
+    std = args.init_scale * math.sqrt(2.0 / fan_in)
+    w = std * jax.random.normal(sub, (fan_in, fan_out), jnp.float32)
+    params0.append({"w": w, "b": jnp.zeros((fan_out,), jnp.float32)})
   probe_every = max(1, args.steps // args.probes)
-  chunks = []  # [start, stop) of each scanned chunk; a probe before each
-  start = 0
-  while start < args.steps:
-    chunks.append((start, min(args.steps, start + probe_every)))
-    start += probe_every
-
-  def make_fns(run: Run):
-    tx = make_tx(run)
-
-    def grads_of(params, opt_state, idx):
-      xb, yb = x_train_j[idx], y_train_j[idx]
-
-      def scaled_loss(p):
-        loss = loss_fn(p, xb, yb, run.compute_dtype)
-        return jls.scale_loss(loss, opt_state), loss
-
-      return jax.grad(scaled_loss, has_aux=True)(params)
-
-    def train_step(carry, step):
-      params, opt_state = carry
-      idx = batch_indices(batch_key, step)
-      scale = jls.get_scale_state(opt_state).scale
-      grads, loss = grads_of(params, opt_state, idx)
-      skipped_before = jls.get_scale_state(opt_state).skipped_steps
-      updates, opt_state = tx.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      skipped = jls.get_scale_state(opt_state).skipped_steps > skipped_before
-      return (params, opt_state), (loss, scale, skipped)
-
-    @jax.jit
-    def train_chunk(params, opt_state, steps):
-      (params, opt_state), out = jax.lax.scan(train_step, (params, opt_state), steps)
-      return params, opt_state, out
-
-    def all_grads(params, scale, idx, dtype):
-      """Parameter and activation gradients of the (scaled) loss, unscaled."""
-      xb, yb = x_train_j[idx], y_train_j[idx]
-      taps = [jnp.zeros((args.batch_size, n), dtype) for n in sizes[1:]]
-      f = lambda p, t: loss_fn(p, xb, yb, dtype, t).astype(jnp.float32) * scale
-      grads = jax.grad(f, argnums=(0, 1))(params, taps)
-      return jls.unscale_and_check(grads, scale)
-
-    @jax.jit
-    def probe(params, opt_state, step):
-      """Counts float32-non-zero gradient elements that are 0 in this run."""
-      idx = batch_indices(batch_key, step)
-      scale = jls.get_scale_state(opt_state).scale
-      (g_par, g_act), finite = all_grads(params, scale, idx, run.compute_dtype)
-      ref_params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
-      (r_par, r_act), _ = all_grads(ref_params, jnp.float32(1), idx, jnp.float32)
-
-      def count(gs, rs):
-        gs, rs = jax.tree_util.tree_leaves(gs), jax.tree_util.tree_leaves(rs)
-        lost = sum(jnp.sum((g == 0) & (r != 0)) for g, r in zip(gs, rs))
-        return lost, sum(jnp.sum(r != 0) for r in rs)
-
-      return count(g_par, r_par), count(g_act, r_act), finite
-
-    @jax.jit
-    def evaluate(params, x, y):
-      logits = logits_fn(params, x, run.compute_dtype)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-      acc = jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
-      return loss, acc
-
-    return tx, train_chunk, probe, evaluate
-
+  chunks = [(lo, min(args.steps, lo + probe_every)) for lo in range(0, args.steps, probe_every)]
   half_params = jnp.float16 if args.param_dtype == "float16" else jnp.float32
   runs = [
       Run(RUNS[0], jnp.float32, jnp.float32, False),
       Run(RUNS[1], jnp.float16, half_params, False),
       Run(RUNS[2], jnp.float16, half_params, True),
   ]
+  return Setup(args, jnp.asarray(x_train), jnp.asarray(y_train), jnp.asarray(x_test),
+               jnp.asarray(y_test), sizes, params0, batch_key, chunks, runs)
 
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:  # the bar is a nicety
-    tqdm = None
-  show_bar = tqdm is not None and not args.no_progress and sys.stderr.isatty()
 
-  results: List[Dict[str, Any]] = []
-  curves: Dict[str, Dict[str, np.ndarray]] = {}
-  t_start = time.perf_counter()
-  for run in runs:
-    tx, train_chunk, probe, evaluate = make_fns(run)
-    params = jax.tree_util.tree_map(lambda p: p.astype(run.param_dtype), params0)
-    opt_state = tx.init(params)
-    losses, scales, skips, probe_steps, frac_par, frac_act = [], [], [], [], [], []
-    bar = tqdm(total=args.steps, desc=f"{run.name:>17}", unit="step",
-               disable=not show_bar, leave=True) if tqdm else None
-    t0 = time.perf_counter()
-    for lo, hi in chunks:
-      if run.compute_dtype != jnp.float32:
-        (lost_p, nz_p), (lost_a, nz_a), finite = probe(params, opt_state, jnp.int32(lo))
-        if bool(finite) and int(nz_p) > 0 and int(nz_a) > 0:  # overflowed: not counted
-          probe_steps.append(lo)
-          frac_par.append(int(lost_p) / int(nz_p))
-          frac_act.append(int(lost_a) / int(nz_a))
-      params, opt_state, (loss, scale, skipped) = train_chunk(
-          params, opt_state, jnp.arange(lo, hi, dtype=jnp.int32)
-      )
-      losses.append(np.asarray(loss))
-      scales.append(np.asarray(scale))
-      skips.append(np.asarray(skipped))
-      if bar is not None:
-        bar.update(hi - lo)
-        post = {"loss": f"{float(loss[-1]):.3g}"}
-        if run.scaled:
-          post["scale"] = _pow2(float(jls.get_scale_state(opt_state).scale))
-        bar.set_postfix(post)
-    if bar is not None:
-      bar.close()
-    seconds = time.perf_counter() - t0
-    losses, scales, skips = (np.concatenate(a) for a in (losses, scales, skips))
-    train_loss, train_acc = evaluate(params, x_train_j, y_train_j)
-    test_loss, test_acc = evaluate(params, x_test_j, y_test_j)
+def make_run_fns(setup: Setup, run: Run) -> RunFns:
+  """The optimizer and the jitted train chunk, underflow probe and evaluation of a run."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jax_lossscale as jls
+
+  args = setup.args
+  adam = optax.adam(args.lr)
+  if run.scaled:
+    tx = jls.dynamic_loss_scale(
+        adam, init_scale=args.init_loss_scale, growth_interval=args.growth_interval
+    )
+  else:
+    tx = jls.no_loss_scale(adam)  # scale 1: plain Adam, same state layout
+
+  def batch_indices(step):
+    return jax.random.randint(
+        jax.random.fold_in(setup.batch_key, step), (args.batch_size,), 0, setup.x_train.shape[0]
+    )
+
+  def train_step(carry, step):
+    params, opt_state = carry
+    idx = batch_indices(step)
+    xb, yb = setup.x_train[idx], setup.y_train[idx]
     scale_state = jls.get_scale_state(opt_state)
-    frac_par = np.asarray(frac_par, np.float64)
-    frac_act = np.asarray(frac_act, np.float64)
-    n_half = max(1, len(frac_par) // 2)
-    summary = lambda f, g: float(g(f)) if f.size else None
-    results.append({
-        "run": run.name,
-        "compute_dtype": jnp.dtype(run.compute_dtype).name,
-        "param_dtype": jnp.dtype(run.param_dtype).name,
-        "loss_scaling": "dynamic" if run.scaled else "none",
-        "train_loss": float(train_loss),
-        "train_accuracy": float(train_acc),
-        "test_loss": float(test_loss),
-        "test_accuracy": float(test_acc),
-        "final_batch_loss": float(losses[-1]),
-        # Underflow: None for the float32 reference (nothing to compare).
-        # Fractions of the float32-non-zero gradient elements that are exactly
-        # zero in this run, over the probed steps: parameter gradients and
-        # activation gradients (of each layer's pre-activation, per example).
-        "underflow_params_mean": summary(frac_par, np.mean),
-        "underflow_params_last_half": summary(frac_par[-n_half:], np.mean),
-        "underflow_params_max": summary(frac_par, np.max),
-        "underflow_activations_mean": summary(frac_act, np.mean),
-        "underflow_activations_last_half": summary(frac_act[-n_half:], np.mean),
-        "underflow_activations_max": summary(frac_act, np.max),
-        "underflow_probes": int(frac_par.size),
-        "skipped_steps": int(scale_state.skipped_steps),
-        "scale_final": float(scale_state.scale),
-        "scale_min": float(min(scales.min(), scale_state.scale)),
-        "scale_max": float(max(scales.max(), scale_state.scale)),
-        "seconds": seconds,
-    })
-    curves[run.name] = {
-        "loss": losses, "scale": scales, "skipped": skips,
-        "probe_steps": np.asarray(probe_steps), "frac_par": frac_par,
-        "frac_act": frac_act,
-    }
 
-  report = {
+    def scaled_loss(p):
+      loss = loss_fn(p, xb, yb, run.compute_dtype)
+      return jls.scale_loss(loss, opt_state), loss
+
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    skipped = jls.get_scale_state(opt_state).skipped_steps > scale_state.skipped_steps
+    return (params, opt_state), (loss, scale_state.scale, skipped)
+
+  @jax.jit
+  def train_chunk(params, opt_state, steps):
+    (params, opt_state), out = jax.lax.scan(train_step, (params, opt_state), steps)
+    return params, opt_state, out
+
+  def probe_loss(variables, idx, dtype):
+    return loss_fn(variables["params"], setup.x_train[idx], setup.y_train[idx], dtype,
+                   variables["activations"])
+
+  @jax.jit
+  def probe(params, opt_state, step):
+    """jls.check_underflow of this run's backward (at its scale) at this step's batch."""
+    taps = [jnp.zeros((args.batch_size, n), jnp.float32) for n in setup.sizes[1:]]
+    return jls.check_underflow(
+        probe_loss, {"params": params, "activations": taps}, batch_indices(step),
+        scale=jls.get_scale_state(opt_state).scale,
+    )
+
+  @jax.jit
+  def evaluate(params, x, y):
+    logits = logits_fn(params, x, run.compute_dtype)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    acc = jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+    return loss, acc
+
+  return RunFns(tx, train_chunk, probe, evaluate)
+
+
+def probe_underflow(fns: RunFns, params, opt_state, step: int):
+  """Step 3: shares of parameter and activation gradients flushed to 0, or None.
+
+  The run's own backward is checked (scale 1 without scaling, the current
+  scale with it); a probe whose gradients overflowed is not counted.
+  """
+  import jax.numpy as jnp
+
+  report = fns.probe(params, opt_state, jnp.int32(step))
+  nz_par = sum(int(v) for k, v in report.nonzero.items() if k.startswith("params/"))
+  nz_act = sum(int(v) for k, v in report.nonzero.items() if k.startswith("activations/"))
+  if not (bool(report.finite_scaled) and nz_par > 0 and nz_act > 0):
+    return None
+  return (report.total(scaled=True, prefix="params/"),
+          report.total(scaled=True, prefix="activations/"))
+
+
+def train_run(setup: Setup, run: Run, fns: RunFns, tqdm=None):
+  """Step 2: trains one run chunk by chunk, probing underflow before each chunk."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import jax_lossscale as jls
+
+  args = setup.args
+  params = jax.tree_util.tree_map(lambda p: p.astype(run.param_dtype), setup.params0)
+  opt_state = fns.tx.init(params)
+  losses, scales, skips, probe_steps, frac_par, frac_act = [], [], [], [], [], []
+  bar = tqdm(total=args.steps, desc=f"{run.name:>17}", unit="step", leave=True) if tqdm else None
+  t0 = time.perf_counter()
+  for lo, hi in setup.chunks:
+    if run.compute_dtype != jnp.float32:
+      shares = probe_underflow(fns, params, opt_state, lo)
+      if shares is not None:
+        probe_steps.append(lo)
+        frac_par.append(shares[0])
+        frac_act.append(shares[1])
+    params, opt_state, (loss, scale, skipped) = fns.train_chunk(
+        params, opt_state, jnp.arange(lo, hi, dtype=jnp.int32)
+    )
+    losses.append(np.asarray(loss))
+    scales.append(np.asarray(scale))
+    skips.append(np.asarray(skipped))
+    if bar is not None:
+      bar.update(hi - lo)
+      post = {"loss": f"{float(loss[-1]):.3g}"}
+      if run.scaled:
+        post["scale"] = _pow2(float(jls.get_scale_state(opt_state).scale))
+      bar.set_postfix(post)
+  if bar is not None:
+    bar.close()
+  seconds = time.perf_counter() - t0
+  losses, scales, skips = (np.concatenate(a) for a in (losses, scales, skips))
+  train_loss, train_acc = fns.evaluate(params, setup.x_train, setup.y_train)
+  test_loss, test_acc = fns.evaluate(params, setup.x_test, setup.y_test)
+  scale_state = jls.get_scale_state(opt_state)
+  frac_par = np.asarray(frac_par, np.float64)
+  frac_act = np.asarray(frac_act, np.float64)
+  n_half = max(1, len(frac_par) // 2)
+  summary = lambda f, g: float(g(f)) if f.size else None
+  result = {
+      "run": run.name,
+      "compute_dtype": jnp.dtype(run.compute_dtype).name,
+      "param_dtype": jnp.dtype(run.param_dtype).name,
+      "loss_scaling": "dynamic" if run.scaled else "none",
+      "train_loss": float(train_loss),
+      "train_accuracy": float(train_acc),
+      "test_loss": float(test_loss),
+      "test_accuracy": float(test_acc),
+      "final_batch_loss": float(losses[-1]),
+      # Underflow: None for the float32 reference (nothing to compare).
+      # Fractions of the float32-non-zero gradient elements that are exactly
+      # zero in this run, over the probed steps: parameter gradients and
+      # activation gradients (of each layer's pre-activation, per example).
+      "underflow_params_mean": summary(frac_par, np.mean),
+      "underflow_params_last_half": summary(frac_par[-n_half:], np.mean),
+      "underflow_params_max": summary(frac_par, np.max),
+      "underflow_activations_mean": summary(frac_act, np.mean),
+      "underflow_activations_last_half": summary(frac_act[-n_half:], np.mean),
+      "underflow_activations_max": summary(frac_act, np.max),
+      "underflow_probes": int(frac_par.size),
+      "skipped_steps": int(scale_state.skipped_steps),
+      "scale_final": float(scale_state.scale),
+      "scale_min": float(min(scales.min(), scale_state.scale)),
+      "scale_max": float(max(scales.max(), scale_state.scale)),
+      "seconds": seconds,
+  }
+  curves = {
+      "loss": losses, "scale": scales, "skipped": skips,
+      "probe_steps": np.asarray(probe_steps), "frac_par": frac_par, "frac_act": frac_act,
+  }
+  return result, curves
+
+
+def make_report(setup: Setup, results: List[Dict[str, Any]], wall_seconds: float):
+  """Step 4a: the report (config, machine, runs) that the table and JSON show."""
+  import jax
+
+  args = setup.args
+  return {
       "config": {k: v for k, v in vars(args).items() if k not in ("no_progress", "no_plot")},
       "machine": {
           "cpu": _cpu_name(),
@@ -377,23 +407,45 @@ def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
           "jax_version": jax.__version__,
       },
       "date": time.strftime("%Y-%m-%d", time.gmtime()),
-      "wall_seconds": time.perf_counter() - t_start,
-      "train_examples": int(x_train.shape[0]),
-      "test_examples": int(x_test.shape[0]),
-      "parameters": int(sum(p.size for p in jax.tree_util.tree_leaves(params0))),
+      "wall_seconds": wall_seconds,
+      "train_examples": int(setup.x_train.shape[0]),
+      "test_examples": int(setup.x_test.shape[0]),
+      "parameters": int(sum(p.size for p in jax.tree_util.tree_leaves(setup.params0))),
       "runs": results,
   }
+
+
+def write_outputs(report: Dict[str, Any], curves, out: str, no_plot: bool) -> None:
+  """Step 4b: print the table; write the JSON, the Markdown table and the PNG."""
   table = format_table(report)
   print(table)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "demo_fp16.json"), "w") as f:
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "demo_fp16.json"), "w") as f:
     json.dump(report, f, indent=2)
-  with open(os.path.join(args.out, "demo_fp16.md"), "w") as f:
+  with open(os.path.join(out, "demo_fp16.md"), "w") as f:
     f.write(table + "\n")
-  if not args.no_plot:
-    path = os.path.join(args.out, "demo_fp16.png")
+  if not no_plot:
+    path = os.path.join(out, "demo_fp16.png")
     plot(curves, report, path)
     print(f"wrote {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
+  args = parse_args(argv)  # before importing JAX: --help and errors are instant
+  setup = build(args)
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:  # the bar is a nicety
+    tqdm = None
+  if args.no_progress or not sys.stderr.isatty():
+    tqdm = None
+  t_start = time.perf_counter()
+  results, curves = [], {}
+  for run in setup.runs:
+    result, curves[run.name] = train_run(setup, run, make_run_fns(setup, run), tqdm)
+    results.append(result)
+  report = make_report(setup, results, time.perf_counter() - t_start)
+  write_outputs(report, curves, args.out, args.no_plot)
   return report
 
 

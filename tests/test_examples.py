@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,8 @@ EXAMPLES = [
     "flax_nnx.py",
     "gradient_accumulation.py",
     "data_parallel.py",
+    "equinox_mlp.py",
+    "transformer_lm.py",
 ]
 
 
@@ -48,6 +51,23 @@ def test_example_smoke(runs, name):
   assert rc == 0, f"{name} exited with {rc}\n{out}\n{err}"
   assert "final loss" in out and "scale" in out and "skipped" in out
   assert "FAILED" not in out + err
+
+
+def test_transformer_smoke_logs_diagnostics_and_a_verdict(runs):
+  rc, out, err = runs["transformer_lm.py"]
+  assert rc == 0, err
+  # The corpus is named with its size; the logged chunks name the leaf with
+  # the least headroom (a module path of the linen params).
+  assert "argparse.py" in out and "bytes;" in out
+  logged = [line for line in out.splitlines() if line.startswith("[float16 + scaling] steps")]
+  assert len(logged) == 2, out  # --smoke: 20 steps, logged every 10
+  for line in logged:
+    m = re.search(r"min headroom (-?[0-9.]+|-?inf) \((\S+)\)", line)
+    assert m, line
+    assert m.group(2).split("/")[0] in ("embed", "pos", "layers_0", "ln_f", "head"), line
+  # check_underflow's one-line verdict at the end.
+  last = out.strip().splitlines()[-1]
+  assert last.startswith(("NEEDS loss scaling", "does not need loss scaling")), out
 
 
 def test_example_fails_loudly():
