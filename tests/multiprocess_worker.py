@@ -29,6 +29,7 @@ exit code 3 means gloo is not available.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -331,7 +332,7 @@ def task_train(args, results, finals):
   for name in SCENARIOS:
     mesh = auto if name.endswith("_auto") else explicit
     record = results.setdefault(name, {"trajectory": [], "loss": []})
-    with jax.set_mesh(mesh) if mesh is explicit else _nullcontext():
+    with jax.set_mesh(mesh) if mesh is explicit else contextlib.nullcontext():
       state, step = build(mesh, name, params_np)
       record["init_specs"] = specs_of(state)
       state = run_steps(mesh, step, state, xs, ys, 0, SAVE_AT, record)
@@ -357,14 +358,6 @@ def task_resume(args, results, finals):
       state = run_steps(explicit, step, state, xs, ys, SAVE_AT, STEPS, record)
       record["final_specs"] = specs_of(state)
       finals[name] = gather(state)
-
-
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
 
 
 def leaves_as_bytes(finals):

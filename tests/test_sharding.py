@@ -15,6 +15,7 @@ axes (under ``jax.set_mesh``) and with Auto axes, and:
   subnormal and a -0.0 among the params (bit-identical through each skip).
 """
 
+import contextlib
 import inspect
 
 import jax
@@ -46,18 +47,11 @@ def _mesh(axis_type):
   return jax.make_mesh((N_DEV,), ("d",), axis_types=(axis_type,))
 
 
-class _in_mesh:
+def _in_mesh(mesh):
   """``jax.set_mesh(mesh)`` for Explicit axes (required there); nothing for Auto."""
-
-  def __init__(self, mesh):
-    explicit = mesh.axis_types[0] == AxisType.Explicit
-    self._ctx = jax.set_mesh(mesh) if explicit else None
-
-  def __enter__(self):
-    return self._ctx.__enter__() if self._ctx is not None else None
-
-  def __exit__(self, *exc):
-    return self._ctx.__exit__(*exc) if self._ctx is not None else False
+  if mesh.axis_types[0] == AxisType.Explicit:
+    return jax.set_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 def _data():
