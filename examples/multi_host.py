@@ -191,7 +191,8 @@ def main(argv=None):
     # CPU only: cross-process collectives through gloo (GPUs use NCCL by themselves).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, num_processes=LOCAL_PROCESSES,
-                               process_id=args.process_id)
+                               process_id=args.process_id,
+                               coordinator_bind_address=args.coordinator)  # 127.0.0.1 only
   try:
     ok = train(steps)
   finally:

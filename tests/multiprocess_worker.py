@@ -384,7 +384,8 @@ def main(argv=None):
     print(f"gloo is not available: {e}", file=sys.stderr)
     return 3
   jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=60)
+                             process_id=args.process_id, initialization_timeout=60,
+                             coordinator_bind_address=f"127.0.0.1:{args.port}")
   try:
     assert jax.device_count() == N_DEV, jax.devices()
     assert jax.local_device_count() == N_DEV // args.num_processes

@@ -103,14 +103,19 @@ def _tail(path, lines=40):
 
 
 def launch_worker(tasks, n, out, **flags):
-  port = _free_port()
   extra = [a for k, v in flags.items() for a in (f"--{k}", v)]
+  for attempt in range(2):
+    port = _free_port()  # free now; another program may take it before the coordinator does
 
-  def argv(i):
-    return [sys.executable, WORKER, tasks, "--process-id", str(i), "--num-processes", str(n),
-            "--port", str(port), "--out", out, *extra]
+    def argv(i, port=port):
+      return [sys.executable, WORKER, tasks, "--process-id", str(i), "--num-processes", str(n),
+              "--port", str(port), "--out", out, *extra]
 
-  return launch(argv, n, out)
+    try:
+      return launch(argv, n, out)
+    except AssertionError as e:
+      if attempt or not re.search("Failed to (start RPC server|add port)", str(e)):
+        raise
 
 
 def _load(out, task, i):
