@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale._product import exact_reciprocal
+
 # Scales above this have a subnormal float32 reciprocal, which XLA on CPU
 # flushes to zero; such scales are unscaled in two exact steps instead.
 _TWO_STEP_THRESHOLD = np.float32(2.0**126)
@@ -46,8 +48,9 @@ def reciprocal(scale: jax.Array) -> Tuple[jax.Array, jax.Array]:
   """The unscaling factors ``(inv, shift)``: ``g * inv / shift == g / scale``.
 
   ``inv`` is the correctly rounded float32 reciprocal (torch's
-  ``float32(1 / float64(scale))``; double rounding through float64 is exact for
-  division) and ``shift`` is 1. For scales above 2**126 the reciprocal is
+  ``float32(1 / float64(scale))``, computed by
+  :func:`jax_lossscale._product.exact_reciprocal` on every backend) and
+  ``shift`` is 1. For scales above 2**126 the reciprocal is
   subnormal and XLA on CPU flushes it to zero, which would silently zero every
   gradient; there ``inv`` is ``2**64 / scale`` and ``shift`` is ``2**64``.
   Dividing by a power of two is exact (up to the final rounding of a
@@ -56,7 +59,8 @@ def reciprocal(scale: jax.Array) -> Tuple[jax.Array, jax.Array]:
   scale = jnp.asarray(scale, jnp.float32)
   big = scale > _TWO_STEP_THRESHOLD
   shift = jnp.where(big, _TWO_STEP_SHIFT, np.float32(1))
-  inv = np.float32(1) / (scale / shift)
+  # Not ``1 / scale``: XLA:GPU's float32 division is not correctly rounded.
+  inv = exact_reciprocal(scale, jnp.where(big, 64, 0).astype(jnp.int32))
   return inv, shift
 
 

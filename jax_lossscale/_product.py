@@ -1,4 +1,11 @@
-"""Torch's scale products, ``float32(float64(scale) * factor)``, without float64.
+"""Torch's scalar arithmetic on the scale, correctly rounded on every backend.
+
+* :func:`scale_product`: ``float32(float64(scale) * factor)``, without float64.
+* :func:`exact_reciprocal`: ``float32(2**k / float64(scale))``, with integers
+  only: XLA:GPU's float32 division is not correctly rounded (about 13% of
+  ``1 / s`` are one bit off there), while torch's reciprocal is.
+
+Scale products:
 
 Torch multiplies the float32 scale by a Python (float64) factor in double
 precision and rounds the result to float32. Factors exactly representable in
@@ -163,3 +170,39 @@ def _smallest_normal_result(factor: float) -> np.float32:
       else:
         lo = mid + 1
   return np.uint32(lo).view(np.float32)
+
+
+def exact_reciprocal(scale: jax.Array, shift_exponent: jax.Array) -> jax.Array:
+  """``float32(2**shift_exponent / float64(scale))``, correctly rounded, with int32 arithmetic.
+
+  The 24-bit significand ``m`` of the scale divides ``2**48`` by restoring
+  long division (25 quotient bits and a remainder), which is then rounded to
+  24 bits, to nearest, ties to even. Rounding through float64 first (torch's
+  ``float32(1 / float64(s))``) gives the same result, as double rounding is
+  innocuous for division from 53 to 24 bits.
+
+  Args:
+    scale: float32 scalar, positive and normal.
+    shift_exponent: int32 scalar ``k`` (0 or 64), such that the result is a
+      normal float32.
+
+  Returns:
+    float32 scalar.
+  """
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.int32)
+  exponent = (bits >> 23) & 0xFF
+  m = (bits & 0x7FFFFF) | 0x800000  # in [2**23, 2**24)
+  rem = jnp.full_like(m, 1 << 23)
+  q = (rem >= m).astype(jnp.int32)
+  rem = rem - q * m
+  for _ in range(25):  # q = floor(2**48 / m), in [2**24, 2**25]
+    rem = rem * 2
+    bit = (rem >= m).astype(jnp.int32)
+    rem = rem - bit * m
+    q = q * 2 + bit
+  t, guard, sticky = q >> 1, q & 1, (rem != 0).astype(jnp.int32)
+  t = t + (guard & (sticky | (t & 1)))
+  carry = t >> 24
+  t = jnp.where(carry == 1, t >> 1, t)
+  biased = 253 - exponent + jnp.asarray(shift_exponent, jnp.int32) + carry
+  return jax.lax.bitcast_convert_type((biased << 23) | (t & 0x7FFFFF), jnp.float32)
