@@ -31,11 +31,13 @@ Usage::
   python tests/mutate.py --list          # list the mutants and check their snippets
   python tests/mutate.py --only NAME...  # some mutants (report not written)
   python tests/mutate.py --head          # the last commit, not the working tree
+  python tests/mutate.py --only NAME --tests tests/test_x.py::test_y  # does this test kill it?
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -102,19 +104,30 @@ def pytest_env(copy: str) -> Dict[str, str]:
   return env
 
 
-def run_tests(copy: str, tests: Tuple[str, ...], timeout: float) -> Tuple[bool, str, float]:
-  """(passed, last output lines, seconds) of pytest over ``tests`` in the copy."""
-  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+# pytest exit codes: 0 passed, 1 tests failed, 2 interrupted (e.g. an import
+# error during collection), 3 internal error, 4 usage error (e.g. a test id
+# that does not exist), 5 no tests collected. 4 and 5 mean the mutant's test
+# list is wrong, never that the mutant was caught.
+_BAD_SELECTION = (4, 5)
+
+
+def run_tests(copy: str, tests: Tuple[str, ...], timeout: float) -> Tuple[int, str, float]:
+  """(pytest exit code, summary lines, seconds) of pytest over ``tests`` in the copy.
+
+  The exit code is -1 on a timeout (a mutant that hangs counts as killed).
+  """
+  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider",
          "-o", "addopts=", *tests]
   t0 = time.perf_counter()
   try:
     out = subprocess.run(cmd, cwd=copy, env=pytest_env(copy), capture_output=True,
                          text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
-    return False, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
+    return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
   dt = time.perf_counter() - t0
   lines = (out.stdout + out.stderr).strip().splitlines()
-  return out.returncode == 0, "\n".join(lines[-3:]), dt
+  failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+  return out.returncode, "\n".join(failed[:1] + lines[-2:]), dt
 
 
 def check_imports_from_copy(copy: str) -> None:
@@ -150,10 +163,11 @@ def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
   ]
   for r in results:
     m = r["mutant"]
-    detail = r["output"].splitlines()[-1] if r["output"] else ""
-    if r["status"] == "killed":
-      failed = [ln for ln in r["output"].splitlines() if ln.startswith(("FAILED", "ERROR"))]
-      detail = failed[0] if failed else detail
+    out_lines = r["output"].splitlines()
+    detail = out_lines[-1] if out_lines else ""
+    if r["status"] == "killed" and out_lines:
+      detail = out_lines[0]
+    detail = detail.split(" - ")[0]  # the test id, without the assertion text
     detail = detail.replace("|", "\\|")
     lines.append(f"| `{m.name}` | `{m.file}` | {r['status']} | {r['seconds']:.0f} | {detail} |")
   lines += ["", "## Mutants and what they break", ""]
@@ -183,6 +197,9 @@ def main(argv=None) -> int:
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
   parser.add_argument("--report", default=None, help=f"report path (default {REPORT} for a full run)")
   parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+  parser.add_argument("--tests", nargs="+", default=None,
+                      help="run these tests instead of each mutant's own (to show that a "
+                      "given test kills a given mutant)")
   parser.add_argument("--head", action="store_true",
                       help="mutate the last commit instead of the working tree")
   args = parser.parse_args(argv)
@@ -193,7 +210,9 @@ def main(argv=None) -> int:
     if unknown:
       sys.exit(f"mutate: unknown mutants {sorted(unknown)}")
     mutants = [m for m in mutants if m.name in args.only]
-  report = args.report or (REPORT if not args.only else None)
+  if args.tests:
+    mutants = [dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants]
+  report = args.report or (REPORT if not (args.only or args.tests) else None)
 
   t_start = time.perf_counter()
   with tempfile.TemporaryDirectory(prefix="jls-mutate-") as copy:
@@ -213,10 +232,10 @@ def main(argv=None) -> int:
     baseline_s = 0.0
     if not args.no_baseline:
       tests = tuple(sorted({t for m in mutants for t in m.tests}))
-      ok, output, baseline_s = run_tests(copy, tests, args.timeout * 2)
-      print(f"baseline ({len(tests)} test paths): {'pass' if ok else 'FAIL'} in {baseline_s:.0f} s",
-            flush=True)
-      if not ok:
+      rc, output, baseline_s = run_tests(copy, tests, args.timeout * 2)
+      print(f"baseline ({len(tests)} test paths): {'pass' if rc == 0 else 'FAIL'} in "
+            f"{baseline_s:.0f} s", flush=True)
+      if rc != 0:
         print(output, file=sys.stderr)
         print("mutate: the unmutated code fails its covering tests; fix that first",
               file=sys.stderr)
@@ -229,13 +248,20 @@ def main(argv=None) -> int:
       with open(path, "w") as f:
         f.write(original.replace(m.old, m.new, 1))
       try:
-        passed, output, dt = run_tests(copy, m.tests, args.timeout)
+        rc, output, dt = run_tests(copy, m.tests, args.timeout)
       finally:
         with open(path, "w") as f:
           f.write(original)
-      status = "killed" if not passed else ("equivalent" if m.equivalent else "survived")
+      if rc in _BAD_SELECTION:
+        print(output, file=sys.stderr)
+        print(f"mutate: {m.name}: pytest exit code {rc}: its test list selects nothing "
+              "runnable; fix tests/mutants.py", file=sys.stderr)
+        return 2
+      status = "killed" if rc != 0 else ("equivalent" if m.equivalent else "survived")
       results.append(dict(mutant=m, status=status, output=output, seconds=dt))
-      print(f"[{i}/{len(mutants)}] {m.name}: {status} ({dt:.0f} s)", flush=True)
+      first = output.splitlines()[0] if output else ""
+      print(f"[{i}/{len(mutants)}] {m.name}: {status} ({dt:.0f} s) {first if rc else ''}",
+            flush=True)
       if status == "survived" or (status == "killed" and m.equivalent):
         print("    " + output.replace("\n", "\n    "), flush=True)
   total = time.perf_counter() - t_start
