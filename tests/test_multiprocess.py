@@ -1,21 +1,23 @@
 """Many processes: ``jax.distributed`` with 2 processes x 4 CPU devices, gloo collectives.
 
-Three launches of ``tests/multiprocess_worker.py`` (each process runs every
-scenario, to pay JAX's start-up once per process):
+Runs of ``tests/multiprocess_worker.py`` (each process runs every scenario,
+to pay JAX's start-up once per process):
 
 1. 2 processes x 4 devices: train ``STEPS`` steps, checkpoint with Orbax
    after ``SAVE_AT`` (both processes save).
-2. a fresh pair of processes: restore that checkpoint and train on.
-3. the reference, 1 process x 8 devices, also with gloo collectives (so its
-   cross-device sums have the 2-process order; in-process collectives sum in
-   another order and change the last bits): the whole run, and a restore of
-   the 2-process checkpoint into this other topology.
+2. side by side, then:
+
+   * a fresh pair of processes: restore that checkpoint and train on;
+   * the reference, 1 process x 8 devices, also summing through gloo: the
+     whole run, and a restore of the 2-process checkpoint into this other
+     topology. (With gloo, 2 x 4 and 1 x 8 devices give the same bits;
+     in-process collectives sum in another order and change the last bits.)
 
 Non-finite values sit in one process's half of the global batch (step 2:
 process 1, step 5: process 0); every device of both processes must skip.
-Only 127.0.0.1 is used, on a free port; every launch has a hard timeout and
-its children are killed if it fails. Under ``CI=true`` a missing gloo fails
-instead of skipping.
+Only 127.0.0.1 is used, on free ports; every launch has a hard timeout and
+its processes are killed if one fails. Under ``CI=true`` a missing gloo or
+Orbax fails instead of skipping.
 """
 
 import json
@@ -30,21 +32,29 @@ import time
 import numpy as np
 import pytest
 
-import multiprocess_worker as w  # tests/ is on sys.path (pytest rootdir-relative import)
+from conftest import import_optional, in_ci
+
+import_optional("orbax.checkpoint")  # both skip the file here, and fail under CI=true
+import_optional("flax")
+
+import multiprocess_worker as w  # noqa: E402  (tests/ is on sys.path, as for conftest)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
 LAUNCH_TIMEOUT = 240
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-if not IN_CI:  # in CI a missing Orbax fails in the workers instead
-  pytest.importorskip("orbax.checkpoint")
+IN_CI = in_ci()
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def _free_ports(k):
+  """``k`` distinct ports free on 127.0.0.1 (all held until all are chosen)."""
+  sockets = [socket.socket() for _ in range(k)]
+  try:
+    for s in sockets:
+      s.bind(("127.0.0.1", 0))
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
 
 
 def _env():
@@ -66,16 +76,18 @@ def _wait_all(procs, timeout):
   return None
 
 
-def launch(argv_for, n, out, timeout=LAUNCH_TIMEOUT):
-  """Starts ``n`` processes, waits for all; kills them all if one fails or time runs out."""
-  os.makedirs(out, exist_ok=True)
-  procs, logs = [], []
+def launch(jobs, timeout=LAUNCH_TIMEOUT):
+  """Starts every process of every job ``(argv_for, n, out)`` at once and waits for all;
+  kills them all if one fails or time runs out."""
+  procs, logs, paths = [], [], []
   try:
-    for i in range(n):
-      log = open(os.path.join(out, f"log-{i}.txt"), "w")
-      logs.append(log)
-      procs.append(subprocess.Popen(argv_for(i), stdout=log, stderr=subprocess.STDOUT,
-                                    env=_env(), cwd=ROOT))
+    for argv_for, n, out in jobs:
+      os.makedirs(out, exist_ok=True)
+      for i in range(n):
+        paths.append(os.path.join(out, f"log-{i}.txt"))
+        logs.append(open(paths[-1], "w"))
+        procs.append(subprocess.Popen(argv_for(i), stdout=logs[-1], stderr=subprocess.STDOUT,
+                                      env=_env(), cwd=ROOT))
     codes = _wait_all(procs, timeout)
   finally:
     for p in procs:
@@ -84,16 +96,14 @@ def launch(argv_for, n, out, timeout=LAUNCH_TIMEOUT):
         p.wait()
     for log in logs:
       log.close()
-  tails = "\n".join(
-      f"--- process {i} ---\n" + _tail(os.path.join(out, f"log-{i}.txt")) for i in range(n))
+  tails = "\n".join(f"--- {path} ---\n" + _tail(path) for path in paths)
   if codes is None:
     pytest.fail(f"multi-process launch timed out after {timeout} s\n{tails}")
   codes = [p.returncode for p in procs]  # the others, killed after one failed: negative
   if 3 in codes:
     message = f"gloo CPU collectives are not available\n{tails}"
     pytest.fail(message) if IN_CI else pytest.skip(message)
-  assert codes == [0] * n, f"exit codes {codes}\n{tails}"
-  return tails
+  assert codes == [0] * len(procs), f"exit codes {codes}\n{tails}"
 
 
 def _tail(path, lines=40):
@@ -102,17 +112,19 @@ def _tail(path, lines=40):
   return "\n".join(text[-lines:])
 
 
-def launch_worker(tasks, n, out, **flags):
-  extra = [a for k, v in flags.items() for a in (f"--{k}", v)]
+def launch_workers(*jobs):
+  """Runs the jobs ``(tasks, n, out, flags)`` of tests/multiprocess_worker.py side by side."""
+
+  def argv_for(tasks, n, out, flags, port):
+    extra = [a for k, v in flags.items() for a in (f"--{k}", v)]
+    return lambda i: [sys.executable, WORKER, tasks, "--process-id", str(i),
+                      "--num-processes", str(n), "--port", str(port), "--out", out, *extra]
+
   for attempt in range(2):
-    port = _free_port()  # free now; another program may take it before the coordinator does
-
-    def argv(i, port=port):
-      return [sys.executable, WORKER, tasks, "--process-id", str(i), "--num-processes", str(n),
-              "--port", str(port), "--out", out, *extra]
-
+    # Free now; another program may take a port before the coordinator does: retry once.
+    ports = _free_ports(len(jobs))
     try:
-      return launch(argv, n, out)
+      return launch([(argv_for(*job, port), job[1], job[2]) for job, port in zip(jobs, ports)])
     except AssertionError as e:
       if attempt or not re.search("Failed to (start RPC server|add port)", str(e)):
         raise
@@ -129,9 +141,10 @@ def runs(tmp_path_factory):
   base = tmp_path_factory.mktemp("multiprocess")
   two, fresh, ref = (str(base / name) for name in ("two", "fresh", "ref"))
   ckpt = str(base / "ckpt")
-  launch_worker("train", 2, two, save=ckpt)
-  launch_worker("resume", 2, fresh, restore=ckpt)
-  launch_worker("train,resume", 1, ref, restore=ckpt)
+  launch_workers(("train", 2, two, {"save": ckpt}))
+  # The restores and the 1-process reference run side by side.
+  launch_workers(("resume", 2, fresh, {"restore": ckpt}),
+                 ("train,resume", 1, ref, {"restore": ckpt}))
   return {
       "train": [_load(two, "train", i) for i in range(2)],
       "resume": [_load(fresh, "resume", i) for i in range(2)],
