@@ -354,8 +354,16 @@ def _run_nnx(axis_type):
 
 def test_nnx_optimizer_explicit_and_auto(optax_runs):
   results = [_run_nnx(t) for t in (AxisType.Explicit, AxisType.Auto)]
-  for _, _, _, trajectory in results:
+  for mesh, _, state, trajectory in results:
     assert trajectory == EXPECTED["dynamic"]
+    specs = {jax.tree_util.keystr(path): _spec(leaf)
+             for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+    for moment in ("mu", "nu"):  # Adam's moments sharded like the params
+      assert {k: specs[f"['opt_state']['inner_state'][0]['{moment}']['{k}'].value"]
+              for k in SPECS} == {"w": ("d",), "v": ("d",), "b": ()}
+    scalars = [v for k, v in specs.items() if "loss_scale" in k or k == "['step'].value"]
+    assert len(scalars) == 6 and set(scalars) == {()}
+    _assert_replicated_on(state["opt_state"]["loss_scale"], mesh)
   _assert_bit_identical(results[0][1], results[1][1])
   _assert_bit_identical(results[0][2], results[1][2])
   # The same training as the plain Optax wrapper (same tx, loss and data), bit for bit.
