@@ -101,8 +101,8 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> Dict[str, Any]:
 
 def _is_scalar_number(x: Any) -> bool:
   """A Python/NumPy real, or a 0-d array or tensor of one (never a bool)."""
-  if isinstance(x, (bool, np.bool_)):
-    return False
+  if isinstance(x, (bool, np.bool_)) or "bool" in str(getattr(x, "dtype", "")):
+    return False  # also 0-d bool arrays and tensors (torch.bool)
   return isinstance(x, numbers.Real) or (
       hasattr(x, "__float__") and getattr(x, "ndim", None) == 0
   )

@@ -181,8 +181,6 @@ def test_from_torch_state_dict_rejects_0d_non_numbers():
     jls.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
 
 
-@pytest.mark.xfail(strict=True, reason="_is_scalar_number rejects bool and np.bool_ but not a "
-                   "0-d bool array or tensor, so True is read as scale 1.0")
 @pytest.mark.parametrize("wrap", [_numpy_0d, _torch_0d], ids=["numpy-0d-array", "torch-0d-tensor"])
 def test_from_torch_state_dict_rejects_0d_bools(wrap):
   with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
