@@ -159,8 +159,13 @@ MUTANTS = [
            'value = x.item() if hasattr(x, "item") else x', "value = x",
            INTEROP_TESTS, "a 0-d integer tensor/array rejected as growth_interval/_growth_tracker"),
     Mutant("interop-accept-bool", INTEROP,
-           "  if isinstance(x, (bool, np.bool_)):\n    return False\n", "",
+           '  if isinstance(x, (bool, np.bool_)) or "bool" in str(getattr(x, "dtype", "")):\n'
+           "    return False  # also 0-d bool arrays and tensors (torch.bool)\n", "",
            INTEROP_TESTS, "True accepted as a scale"),
+    Mutant("interop-accept-0d-bool", INTEROP,
+           'if isinstance(x, (bool, np.bool_)) or "bool" in str(getattr(x, "dtype", "")):',
+           "if isinstance(x, (bool, np.bool_)):",
+           INTEROP_TESTS, "a 0-d bool array or torch.bool tensor read as scale 1.0"),
     Mutant("interop-accept-nonfinite", INTEROP,
            "  if not math.isfinite(value):\n    raise", "  if False:\n    raise",
            INTEROP_TESTS, "a NaN/inf scale from a corrupt dict accepted"),
@@ -236,6 +241,26 @@ MUTANTS = [
            "return jnp.where(scale >= _smallest_normal_result(factor), out, jnp.float32(0))",
            (NUM, ST, PR),
            "products that round up to 2**-126 in float64 -> float32 come out flushed to 0 (XLA:CPU)"),
+    Mutant("product-reciprocal-truncates", PRODUCT,
+           "t = t + (guard & (sticky | (t & 1)))", "t = t",
+           (NUM, CONF), "the reciprocal is truncated instead of rounded to nearest"),
+    Mutant("product-reciprocal-ties-away", PRODUCT,
+           "t = t + (guard & (sticky | (t & 1)))", "t = t + guard",
+           (NUM,), "round half away from zero instead of half to even",
+           equivalent="no tie can occur: a tie needs 2**48 / m to end exactly at the guard bit, "
+           "i.e. m (in [2**23, 2**24)) to divide 2**48, so m = 2**23, whose quotient 2**25 has "
+           "guard bit 0; so guard == 1 implies sticky == 1 and both expressions add 1"),
+    Mutant("product-reciprocal-no-shift", PRODUCT,
+           "biased = 253 - exponent + jnp.asarray(shift_exponent, jnp.int32) + carry",
+           "biased = 253 - exponent + carry",
+           (NUM, CONF), "scales above 2**126 unscale by a reciprocal 2**64 too small"),
+    Mutant("numerics-reciprocal-float-division", NUMERICS,
+           "inv = exact_reciprocal(scale, jnp.where(big, 64, 0).astype(jnp.int32))",
+           "inv = np.float32(1) / (scale / shift)",
+           (NUM, CONF), "the reciprocal by float32 division (one bit off on XLA:GPU for ~13% of scales)",
+           equivalent="on CPU only: XLA:CPU's float32 division is correctly rounded, so the values "
+           "are identical there; on a GPU the CUDA conformance test (make gpu-check, "
+           "tests/test_gpu.py) catches it"),
     # --- the skip -------------------------------------------------------------------
     Mutant("skip-positive-zero", SKIP,
            "return jnp.full_like(u, -0.0)", "return jnp.full_like(u, 0.0)",
