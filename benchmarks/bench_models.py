@@ -5,7 +5,7 @@ loss ``loss_fn(params, x, y) -> float32 scalar``. Two families:
 
 * MLPs (``mlp-*``, ``deep-*``): tanh layers, one ``(w, b)`` pair per layer;
   the leaf count (6 or 200 or 800) is what stresses compile time.
-* ``transformer``: a decoder-only character LM (2 layers, d_model 128,
+* ``transformer``: a decoder-only character LM (2 layers, d_model 64,
   4 heads, context 64): float16 matmuls, float32 layernorm statistics,
   softmax and cross-entropy, float32 residual stream.
 """
@@ -80,7 +80,7 @@ def mlp(name: str, label: str, widths: List[int]) -> Model:
 
 # ----------------------------------------------------------------------------- transformer
 
-LM = {"vocab": 128, "context": 64, "d_model": 128, "heads": 4, "layers": 2, "mlp": 4}
+LM = {"vocab": 128, "context": 64, "d_model": 64, "heads": 4, "layers": 2, "mlp": 4}
 
 
 def lm_init_params(seed: int = 0, **cfg) -> Dict[str, Any]:
@@ -180,7 +180,7 @@ MODELS: Dict[str, Model] = {
         mlp("deep-1m", "100 layers ~1M params, 200 leaves", [100] * 101),
         mlp("mlp-30m", "MLP ~30M params, 6 leaves", [2048, 4096, 4096, 1024]),
         mlp("deep-30m", "100 layers ~30M params, 200 leaves", [548] * 101),
-        transformer("transformer", "char-LM transformer ~0.44M params, 2 layers, 25 leaves"),
+        transformer("transformer", "char-LM transformer ~0.12M params, 2 layers, 25 leaves"),
         # Not in the default set: more leaves, for compile-time scaling.
         mlp("deep400-1m", "400 layers ~1M params, 800 leaves", [50] * 401),
     ]

@@ -160,3 +160,25 @@ def markdown(payload: Dict[str, Any]) -> str:
           f"{s['lower_s']:.3f} | {json.dumps(s['final'])} |"
       )
   return "\n".join(lines) + "\n"
+
+
+def memory_markdown(results: List[Dict[str, Any]], variants: List[str]) -> str:
+  """``--compile-only``: temporary MiB (ratio to the baseline) and compile seconds."""
+  lines = [
+      "| model | variant | temp MiB | temp / baseline | compile s |",
+      "|---|---|---|---|---|",
+  ]
+  for r in results:
+    base = r["memory"]["baseline"].get("temp_size_in_bytes")
+    for v in variants:
+      if v not in r["memory"]:
+        continue
+      temp = r["memory"][v].get("temp_size_in_bytes")
+      ratio = f"{temp / base:.2f}" if temp and base else "n/a"
+      mib = f"{temp / MIB:.1f}" if temp is not None else "n/a"
+      lines.append(f"| {r['model']} | {v} | {mib} | {ratio} | {r['compile_s'][v]:.2f} |")
+    lines.append(
+        f"| {r['model']} | (one float32 gradient buffer) | {r['gradient_bytes'] / MIB:.1f} | "
+        f"{r['gradient_bytes'] / base:.2f} | |"
+    )
+  return "\n".join(lines) + "\n"

@@ -94,14 +94,14 @@ def test_every_peer_and_reference_is_registered():
 
 
 def test_transformer_model_is_the_char_lm():
-  """2 layers, d_model 128, float16 matmuls, float32 softmax/layernorm and loss."""
+  """2 layers, d_model 64, float16 matmuls, float32 softmax/layernorm and loss."""
   import jax
 
   model = bench.MODELS["transformer"]
   params = model.init_params(0)
   x, y = model.make_batch(1)
   assert sorted(k for k in params if k.startswith("block_")) == ["block_0", "block_1"]
-  assert params["embed"].shape == (128, 128)
+  assert params["embed"].shape == (128, 64)
   assert x.shape == y.shape == (bench.BATCH, 64)
   loss = jax.jit(model.loss_fn)(params, x, y)
   assert loss.dtype == np.float32
