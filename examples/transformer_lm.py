@@ -76,6 +76,7 @@ class Attention(nn.Module):
     b, t, d = h.shape
     head = d // self.n_heads
     qkv = nn.Dense(3 * d, dtype=self.dtype, param_dtype=jnp.float32, name="qkv")(h)
+    qkv = self.perturb("qkv_act", qkv)
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.n_heads, head), 3, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.asarray(math.sqrt(head), self.dtype)
     # Softmax in float32. A float16 softmax goes wrong three ways:
@@ -86,7 +87,7 @@ class Attention(nn.Module):
     #   float16: on 1000 rows of 128 scores with std 4 we measured 6.7% of the
     #   (float32-non-zero) probabilities come out exactly 0, relative errors up
     #   to 294% on the small ones, row sums off by 8e-4.
-    scores = scores.astype(jnp.float32)
+    scores = self.perturb("scores_act", scores).astype(jnp.float32)
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
     scores = jnp.where(causal, scores, np.float32(-1e30))
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
@@ -105,13 +106,15 @@ class Block(nn.Module):
     # float16 matmuls (nn.Dense casts it).
     h = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.float32, name="ln_1")(x)
     y = Attention(self.n_heads, self.dtype, name="attn")(h)
-    # perturb: zeros added to the block's outputs; their gradients are the
-    # activation gradients (only when a "perturbations" collection is passed).
-    x = x + self.perturb("attn_act", y.astype(jnp.float32))
+    # perturb: zeros added to float16 activations; their gradients are the
+    # float16 activation gradients (only when a "perturbations" collection is
+    # passed, as check_at does; otherwise the identity).
+    x = x + self.perturb("attn_act", y).astype(jnp.float32)
     h = nn.LayerNorm(dtype=jnp.float32, param_dtype=jnp.float32, name="ln_2")(x)
     h = nn.Dense(4 * d, dtype=self.dtype, param_dtype=jnp.float32, name="mlp_in")(h)
+    h = self.perturb("mlp_hidden_act", h)
     y = nn.Dense(d, dtype=self.dtype, param_dtype=jnp.float32, name="mlp_out")(nn.gelu(h))
-    return x + self.perturb("mlp_act", y.astype(jnp.float32))
+    return x + self.perturb("mlp_act", y).astype(jnp.float32)
 
 
 class CharLM(nn.Module):
@@ -288,6 +291,8 @@ def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
     result["underflow_activations_mean"] = float(np.mean(act)) if act else None
     result["underflow_params_mean"] = float(np.mean(par)) if par else None
     result["underflow_probes"] = len(act)
+    ok = [p.fractions(scaled=True) for p in probes if bool(p.finite_scaled)]
+    result["underflow_by_leaf_mean"] = {k: float(np.mean([f[k] for f in ok])) for k in ok[0]} if ok else {}
     result["verdict_at_end"] = check(params, jnp.int32(args.steps), jnp.float32(2.0**16)).verdict()
   return result
 
