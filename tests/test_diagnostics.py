@@ -233,3 +233,15 @@ def test_activation_gradients_through_taps():
   # Per-example activation gradients are 1/32 of the batch-mean loss's: many flush.
   assert r.total(prefix="taps") > r.total(prefix="params")
   assert r.total(prefix="taps", scaled=True) == 0.0
+
+
+def test_one_pass_per_leaf_no_leaf_sized_intermediate():
+  """Each leaf is reduced in one loop: no s32/f32 copy of the leaf is written."""
+  g = {"a": jnp.ones((512, 384), jnp.float16), "b": jnp.ones((1000,), jnp.float32)}
+  hlo = jax.jit(jls.grad_diagnostics).lower(g, 2.0).compile().as_text()
+  entry = hlo[hlo.index("ENTRY"):]
+  for shape in ("[512,384]", "[1000]"):
+    produced = [line for line in entry.splitlines()
+                if "= " in line and shape in line.split("= ", 1)[1].split(" ", 1)[0]
+                and "parameter(" not in line]
+    assert not produced, produced
