@@ -23,6 +23,15 @@ FLOAT16_TINY = np.float32(2.0**-14)
 _STATS = ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")
 
 
+def _scale_of(scale: Any) -> jax.Array:
+  """A float32 scale from a number, an array or anything holding a scale state."""
+  if isinstance(scale, (int, float)) or hasattr(scale, "dtype"):
+    return jnp.asarray(scale, jnp.float32)
+  import jax_lossscale  # the public finder, wherever it lives
+
+  return jnp.asarray(jax_lossscale.get_scale_state(scale).scale, jnp.float32)
+
+
 def _key_name(key: Any) -> str:
   for attr in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
     if hasattr(key, attr):
@@ -127,8 +136,9 @@ def grad_diagnostics(scaled_grads: Any, scale: Any) -> Dict[str, jax.Array]:
   Args:
     scaled_grads: pytree of gradients of the scaled loss. Integer, boolean
       and ``None`` leaves are ignored.
-    scale: the loss scale the gradients carry: a scalar, or a
-      :class:`DynamicScaleState`.
+    scale: the loss scale the gradients carry: a scalar, a
+      :class:`DynamicScaleState`, or an optimizer/train state holding one
+      (as :func:`get_scale_state` finds it).
 
   Returns:
     A flat ``dict`` of scalar arrays, ready for TensorBoard/W&B/CLU writers.
@@ -143,7 +153,7 @@ def grad_diagnostics(scaled_grads: Any, scale: Any) -> Dict[str, jax.Array]:
     >>> grad_leaf_names(g)[d["min_headroom_leaf"].item()]
     'b'
   """
-  scale = jnp.asarray(getattr(scale, "scale", scale), jnp.float32)
+  scale = _scale_of(scale)
   out: Dict[str, jax.Array] = {}
   headrooms, nonfinite_total = [], jnp.zeros([], jnp.int32)
   for name, g in _named_float_leaves(scaled_grads):
@@ -276,7 +286,8 @@ def check_underflow(
     params: the parameters (float32 master params, or half params).
     batch: anything ``loss_fn`` takes as its batch.
     scale: the loss scale of the scaled backward (default torch's 2**16;
-      pass the scaler's current scale to check a point in training).
+      pass the scaler's current scale, or the optimizer state, to check a
+      point in training).
     half_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
 
   Returns:
@@ -293,7 +304,7 @@ def check_underflow(
     >>> report.verdict()[:20]
     'NEEDS loss scaling: '
   """
-  scale = jnp.asarray(getattr(scale, "scale", scale), jnp.float32)
+  scale = _scale_of(scale)
 
   def grads(p, dtype, s):
     g = jax.grad(lambda q: jnp.asarray(loss_fn(q, batch, dtype)).astype(jnp.float32) * s)(p)

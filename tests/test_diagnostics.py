@@ -82,6 +82,17 @@ def test_limiting_leaf_without_overflow(maybe_jit):
   assert float(d4["big/0/max_abs"]) == 4094.0  # the true magnitude does not change
 
 
+def test_scale_from_an_optimizer_state():
+  import optax
+
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  opt_state = tx.init({"w": jnp.zeros(2)})
+  d = jax.jit(jls.grad_diagnostics)({"w": jnp.array([16.0, 0.0])}, opt_state)
+  assert float(d["w/max_abs"]) == 2.0
+  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(1)}, jnp.ones(1), scale=opt_state)
+  assert float(r.scale) == 8.0
+
+
 def test_headroom_negative_above_float16_max_in_float32_grads():
   d = jls.grad_diagnostics({"w": jnp.array([65504.0 * 8], jnp.float32)}, 1.0)
   assert float(d["w/headroom"]) == -3.0
