@@ -28,6 +28,16 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tests/mutate.py
+  try:
+    from hypothesis import Phase, settings
+
+    # A mutant only needs a failing example, not the smallest one: no shrinking.
+    settings.register_profile("mutate", phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    settings.load_profile("mutate")
+  except ImportError:
+    pass
+
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):

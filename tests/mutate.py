@@ -101,6 +101,7 @@ def pytest_env(copy: str) -> Dict[str, str]:
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("CI", None)  # the selection is deliberate; skips are not failures here
   env["PYTHONDONTWRITEBYTECODE"] = "1"  # a stale .pyc must never hide a mutant
+  env["JAX_LOSSSCALE_MUTATE"] = "1"  # conftest: hypothesis does not shrink failures
   return env
 
 
