@@ -292,7 +292,8 @@ def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
     result["underflow_params_mean"] = float(np.mean(par)) if par else None
     result["underflow_probes"] = len(act)
     ok = [p.fractions(scaled=True) for p in probes if bool(p.finite_scaled)]
-    result["underflow_by_leaf_mean"] = {k: float(np.mean([f[k] for f in ok])) for k in ok[0]} if ok else {}
+    result["underflow_by_leaf_mean"] = (
+        {k: float(np.mean([f[k] for f in ok])) for k in ok[0]} if ok else {})
     result["verdict_at_end"] = check(params, jnp.int32(args.steps), jnp.float32(2.0**16)).verdict()
   return result
 

@@ -110,10 +110,11 @@ def test_duplicate_names_raise():
     jls.grad_diagnostics({"a/b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, 1.0)
 
 
-def test_bfloat16_and_float64_leaves():
+def test_bfloat16_leaves():
   g = {"b": jnp.array([256.0, 0.0], jnp.bfloat16)}
   d = jls.grad_diagnostics(g, 2.0)
-  assert float(d["b/max_abs"]) == 128.0 and float(d["b/headroom"]) == pytest.approx(np.log2(65504 / 256), rel=1e-6)
+  assert float(d["b/max_abs"]) == 128.0
+  assert float(d["b/headroom"]) == pytest.approx(np.log2(65504 / 256), rel=1e-6)
   assert d["b/max_abs"].dtype == jnp.float32
 
 
@@ -256,3 +257,19 @@ def test_one_pass_per_leaf_no_leaf_sized_intermediate():
                 if "= " in line and shape in line.split("= ", 1)[1].split(" ", 1)[0]
                 and "parameter(" not in line]
     assert not produced, produced
+
+
+def test_float64_leaves_are_reduced_in_float64():
+  """1e39 is finite in float64 (inf in float32): not counted as non-finite."""
+  import subprocess
+  import sys
+
+  code = (
+      "import jax; jax.config.update('jax_enable_x64', True)\n"
+      "import jax.numpy as jnp, jax_lossscale as jls\n"
+      "d = jls.grad_diagnostics({'w': jnp.array([1e39, 0.0], jnp.float64)}, 1.0)\n"
+      "print(int(d['w/nonfinite']), float(d['w/headroom']), d['w/max_abs'].dtype)\n"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.split() == ["0", "-inf", "float32"]
