@@ -14,7 +14,10 @@ old optimizer state at the start of every step. :func:`skip_step` therefore
 gives the state select's predicate a data dependency on one element of every
 large selected output: ``(bits | 1) != 0`` is always true, so the predicate's
 value is exactly ``finite``, and XLA schedules everything that reads the old
-state before the state is replaced. This changes the compiled schedule only,
+state before the state is replaced. A state subtree with the outputs' tree
+structure (Adam's ``mu`` and ``nu``) depends leaf by leaf on its own output
+only, so the outputs need not all stay alive at once (on a 200-leaf 30M model:
+temporary memory 344 -> 230 MiB, step 1.56x -> 1.43x plain Adam). This changes the compiled schedule only,
 never a value; it is applied on CPU, to leaves of at least ``LARGE``
 elements that are not sharded by an explicit mesh axis. Other backends fuse
 the selects with their producers and get plain ``jnp.where``s.
@@ -121,8 +124,24 @@ def skip_step(
     (Array([-0.e+00,  1.e-40], dtype=float32), Array(0, dtype=int32))
   """
   out = _where(finite, new_out, old_out)
-  flags = [f for f in map(_order_flag, jax.tree_util.tree_leaves(out)) if f is not None]
+  leaves, out_def = jax.tree_util.tree_flatten(out)
+  flags = [_order_flag(x) for x in leaves]
+  present = [f for f in flags if f is not None]
+  if not present:
+    return out, _where(finite, new_state, old_state)
   # Combined as all_finite combines its flags: a plain chain of ``and``s
   # would be copied into every select and make compilation quadratic.
-  pred = combine_flags([finite] + flags) if flags else finite
-  return out, _where(pred, new_state, old_state)
+  pred = combine_flags([finite] + present)
+  # A state subtree shaped like the outputs (Adam's mu and nu, a momentum
+  # trace) waits only for its own output leaf: with the combined predicate
+  # every output buffer would have to stay alive until all are computed.
+  per_leaf = [pred if f is None else jnp.logical_and(finite, f) for f in flags]
+  shaped_like_out = lambda x: jax.tree_util.tree_structure(x) == out_def
+
+  def select(new, old):
+    if not shaped_like_out(new):
+      return _where(pred, new, old)
+    pairs = zip(per_leaf, jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old))
+    return jax.tree_util.tree_unflatten(out_def, [jnp.where(p, a, b) for p, a, b in pairs])
+
+  return out, jax.tree_util.tree_map(select, new_state, old_state, is_leaf=shaped_like_out)
