@@ -11,7 +11,7 @@ help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU), writes $(OUT)/"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
-	@echo "make bench-quick - the two ~1M-parameter benchmark models only (< 3 minutes)"
+	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
 	@echo "make mutate      - mutation testing of the core modules (~30 min), writes tests/mutation-report.md"
