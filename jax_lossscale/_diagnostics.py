@@ -9,11 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale import _numerics
-from jax_lossscale._numerics import compute_dtype, unscale_and_check
-
-# The float check is being renamed from ``_is_float`` to ``is_float``.
-_is_float = getattr(_numerics, "is_float", None) or getattr(_numerics, "_is_float")
+from jax_lossscale._numerics import compute_dtype, is_float, unscale_and_check
 
 FLOAT16_MAX = np.float32(65504.0)
 # Smallest normal float16 (2**-14 ~ 6.1e-5): magnitudes below it are float16
@@ -43,7 +39,7 @@ def _named_float_leaves(tree: Any) -> List[Tuple[str, Any]]:
   """``(name, leaf)`` for each floating-point leaf, in flattening order."""
   out, seen = [], set()
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if leaf is None or not _is_float(leaf):
+    if leaf is None or not is_float(leaf):
       continue
     name = "/".join(_key_name(k) for k in path) or "leaf"
     if name in seen:
@@ -311,7 +307,7 @@ def check_underflow(
     return unscale_and_check(g, s)
 
   def to32(x):
-    if x is None or not _is_float(x):
+    if x is None or not is_float(x):
       return x
     x = jnp.asarray(x)
     return x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
