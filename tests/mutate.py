@@ -67,6 +67,12 @@ def check_snippets(root: str, mutants: List[Mutant]) -> List[str]:
       count = f.read().count(m.old)
     if count != 1:
       errors.append(f"{m.name}: snippet found {count} times in {m.file}: {m.old!r}")
+      continue
+    try:  # a mutant that does not compile would be "killed" by any test
+      with open(path) as f:
+        compile(f.read().replace(m.old, m.new, 1), path, "exec")
+    except SyntaxError as e:
+      errors.append(f"{m.name}: the mutated {m.file} does not compile: {e}")
   names = [m.name for m in mutants]
   errors += [f"duplicate mutant name {n}" for n in sorted({n for n in names if names.count(n) > 1})]
   return errors

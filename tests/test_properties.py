@@ -80,6 +80,29 @@ configs = st.fixed_dictionaries({
 })
 
 
+# float32 scale and float64 factor whose exact product has its 24 bits below
+# float64's last bit equal to 100...0 and its 29 bits below float32's last
+# bit (after the first rounding) equal to 100...0: found by search over
+# factors of 30 significant bits.
+DOUBLE_TIE = (1.9148098230361938, 1.2342685852199793)
+
+
+def test_double_tie_is_one():
+  """The example above really is a double tie: rounding the float64 tie away
+  from zero instead of to even changes the float32 result."""
+  s, f = DOUBLE_TIE
+  assert float(np.float32(s)) == s
+  p = int(s * 2**23) * int(f * 2**52)  # the exact product of the significands
+  n = p.bit_length()
+  assert p % 2 ** (n - 53) == 2 ** (n - 54)  # a tie in the float64 rounding
+  q = p >> (n - 53)  # ties to even: q is even, so it stays (no increment)
+  assert q % 2 == 0 and q % 2**29 == 2**28  # then a tie in the float32 rounding
+  with np.errstate(all="ignore"):
+    correct = np.float32(np.float64(s) * f)
+  away = np.float32(np.float64(q + 1) * 2.0 ** (n - 53 - 75))  # float64 tie rounded away
+  assert away != correct
+
+
 def _config(**kwargs):
   base = dict(init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1,
               hysteresis=1, min_scale=float(TINY), max_scale=F32_MAX, dynamic=True)
@@ -93,6 +116,11 @@ def _config(**kwargs):
 @example(config=_config(init_scale=3.0, growth_factor=9.7, growth_interval=1, hysteresis=2),
          flags=([True] * 20 + [False, True]) * 2 + [True] * (T - 44))
 @example(config=_config(init_scale=1e12, growth_factor=10.0, max_scale=1e13), flags=[True] * T)
+# Double ties: scale * factor falls exactly halfway in both roundings
+# (float64, then float32), so the result depends on ties-to-even in each.
+@example(config=_config(init_scale=DOUBLE_TIE[0], growth_factor=DOUBLE_TIE[1]), flags=[True] * T)
+@example(config=_config(init_scale=DOUBLE_TIE[0], backoff_factor=DOUBLE_TIE[1] / 2),
+         flags=[False] * T)
 @SETTINGS
 @given(config=configs, flags=st.lists(st.booleans(), min_size=T, max_size=T))
 def test_rule_trajectory_equals_reference(config, flags):

@@ -123,6 +123,33 @@ def test_clean_steps_equal_inner_on_unscaled_grads(start_params, maybe_jit, adam
     assert_bit_identical(s_tx.inner_state, s_in)
 
 
+def test_clean_step_with_plus_zero_first_outputs_advances_the_state(maybe_jit, adam_promotion):
+  """The copy-free skip orders the state select after one element of each large
+  output; that must never change the decision. Here the first element of every
+  large output of a clean step is +0.0 (all bits 0): the state still advances."""
+  from jax_lossscale._skip import LARGE
+  from jax_lossscale.flax import TrainState
+
+  n = LARGE + 1
+  grads = jnp.full((n,), 4.0, jnp.float32).at[0].set(0.0)
+  # Optax path: the output is the update; trace(0.9) of a +0.0 gradient is +0.0.
+  tx = jls.dynamic_loss_scale(optax.trace(decay=0.9), init_scale=4.0)
+  p = {"w": jnp.zeros((n,), jnp.float32)}
+  updates, state = maybe_jit(tx.update)({"w": grads}, tx.init(p), p)
+  assert np.asarray(updates["w"]).view(np.uint32)[0] == 0  # +0.0
+  np.testing.assert_array_equal(state.inner_state.trace["w"][1:], 1.0)
+  np.testing.assert_array_equal(updates["w"][1:], 1.0)
+  # TrainState path: the output is the new params; a zero bias whose first unit
+  # gets no gradient stays +0.0 (0.0 + -0.0).
+  ts = TrainState.create(apply_fn=None, params={"b": jnp.zeros((n,), jnp.float32)},
+                         tx=optax.adam(0.5))
+  ts = maybe_jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, {"b": grads / 4.0})
+  assert np.asarray(ts.params["b"]).view(np.uint32)[0] == 0
+  assert int(ts.step) == 1 and int(ts.opt_state[0].count) == 1
+  np.testing.assert_allclose(ts.opt_state[0].mu["b"][1:], 0.1, rtol=1e-6)
+  np.testing.assert_allclose(ts.params["b"][1:], -0.5, rtol=1e-5)
+
+
 def test_no_recompilation_and_no_dtype_drift(adam_promotion):
   tx = jls.dynamic_loss_scale(optax.adam(1e-3), init_scale=8.0, growth_interval=2)
   traces = []
