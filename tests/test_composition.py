@@ -211,6 +211,24 @@ def test_mixed_precision_params(maybe_jit):
   assert _bits(state2.inner_state) == _bits(state.inner_state)
 
 
+def test_trainstate_adds_float32_updates_to_float16_params_once(maybe_jit):
+  """``jax_lossscale.flax.TrainState`` applies an update as ``optax.apply_updates``
+  does: ``p + u`` in float32, rounded to float16 once. Rounding ``u`` to float16
+  first rounds twice: here 1 + (2**-11 + 2**-22) would become 1.0, not 1 + 2**-10."""
+  from jax_lossscale.flax import TrainState
+
+  u = 2.0**-11 + 2.0**-22  # float32-exact; above half a float16 ulp of 1.0
+  params = {"w": jnp.ones(2, jnp.float16)}
+  ts = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1.0))
+  grads = {"w": jnp.full(2, -u, jnp.float32)}
+  new = maybe_jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, grads)
+  assert new.params["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(new.params["w"], np.float32), [1.0 + 2.0**-10] * 2)
+  with jax.numpy_dtype_promotion("standard"):
+    ref = optax.apply_updates(params, {"w": jnp.full(2, u, jnp.float32)})
+  assert _bits(new.params) == _bits(ref)
+
+
 def test_bfloat16_no_loss_scale_runs_the_same_code(maybe_jit):
   # bfloat16 has float32's exponent range: no scaling needed; the same train step runs.
   params = {"w": jnp.ones(4, jnp.bfloat16)}
