@@ -190,7 +190,8 @@ def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
               + ", ".join(f"`{r['mutant'].name}`" for r in flagged)]
   survivors = [r for r in results if r["status"] == "survived"]
   lines += ["", "## Survivors", ""]
-  lines += [f"- `{r['mutant'].name}` ({r['mutant'].file}): {r['mutant'].why}"
+  lines += [f"- `{r['mutant'].name}` ({r['mutant'].file}): {r['mutant'].why}. "
+            f"{'Why it survives: ' + r['mutant'].note if r['mutant'].note else 'Not explained.'}"
             for r in survivors] or ["None."]
   lines += ["", summary_line(results)]
   with open(path, "w") as f:

@@ -211,6 +211,21 @@ def test_mixed_precision_params(maybe_jit):
   assert _bits(state2.inner_state) == _bits(state.inner_state)
 
 
+def test_inner_transformation_sees_float32_params(maybe_jit):
+  """Weight decay reads the params: it gets them promoted to float32, as it gets
+  the gradients (float16 params and float32 gradients would not even mix under
+  strict promotion, and 1e-4 * p would be rounded to float16)."""
+  params = {"w": jnp.asarray([1.0, -3.0], jnp.float16)}
+  inner = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(1.0))
+  tx = jls.dynamic_loss_scale(inner, init_scale=SCALE)
+  grads = {"w": jnp.asarray([0.5 * SCALE, 0.25 * SCALE], jnp.float16)}
+  updates, _ = maybe_jit(tx.update)(grads, tx.init(params), params)
+  p32 = {"w": params["w"].astype(jnp.float32)}
+  ref, _ = inner.update({"w": jnp.asarray([0.5, 0.25], jnp.float32)}, inner.init(p32), p32)
+  assert updates["w"].dtype == jnp.float16
+  assert _bits(updates) == _bits({"w": ref["w"].astype(jnp.float16)})
+
+
 def test_trainstate_adds_float32_updates_to_float16_params_once(maybe_jit):
   """``jax_lossscale.flax.TrainState`` applies an update as ``optax.apply_updates``
   does: ``p + u`` in float32, rounded to float16 once. Rounding ``u`` to float16
