@@ -7,7 +7,7 @@
   proving that code does not wait for the device (see ``tests/test_async.py``).
 * In CI (``CI=true``) no test may be skipped for a missing optional dependency
   that ``make test`` installs (torch, hypothesis, orbax, scikit-learn,
-  matplotlib, flax, equinox, chex): :func:`import_optional` fails there, and
+  matplotlib, flax, equinox, chex, jmp, tqdm): :func:`import_optional` fails there, and
   ``pytest.importorskip`` of one of them is turned into a failure too.
 """
 
@@ -57,7 +57,8 @@ def has_cuda() -> bool:
 #: Optional test dependencies that ``make test`` installs (the ``test`` extra),
 #: by import name. In CI a test that needs one of them fails when it is missing.
 REQUIRED_IN_CI = (
-    "torch", "hypothesis", "orbax", "sklearn", "matplotlib", "flax", "equinox", "chex",
+    "torch", "hypothesis", "orbax", "sklearn", "matplotlib", "flax", "equinox", "chex", "jmp",
+    "tqdm",
 )
 
 

@@ -48,8 +48,8 @@ def test_import_optional():
 def test_importorskip_inside_a_test():
   pytest.importorskip("sklearn.no_such_module")
 
-def test_importorskip_of_a_dependency_make_test_does_not_install():
-  pytest.importorskip("jmp_no_such_module")
+def test_importorskip_of_a_module_outside_the_test_extra():
+  pytest.importorskip("not_in_the_test_extra")
 '''
 
 
@@ -77,12 +77,12 @@ def _run_missing_dependency_tests(tmp_path, ci):
 
 
 def test_missing_test_dependencies_fail_in_ci_and_skip_elsewhere(tmp_path):
-  """Under CI=true a missing dependency of the test extra fails; jmp (not in it) skips."""
+  """Under CI=true a missing dependency of the test extra fails; any other module skips."""
   ci = _run_missing_dependency_tests(tmp_path, ci=True)
   assert "FAILED test_missing.py::test_import_optional" in ci, ci
   assert "FAILED test_missing.py::test_importorskip_inside_a_test" in ci, ci
   assert "ERROR test_missing_module.py" in ci, ci
-  assert "SKIPPED [1] test_missing.py" in ci and "jmp_no_such_module" in ci, ci
+  assert "SKIPPED [1] test_missing.py" in ci and "not_in_the_test_extra" in ci, ci
   assert "2 failed, 1 skipped, 1 error" in ci, ci
   local = _run_missing_dependency_tests(tmp_path, ci=False)
   assert "4 skipped" in local and "failed" not in local and "error" not in local, local
