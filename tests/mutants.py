@@ -294,7 +294,8 @@ MUTANTS = [
            "subtree shaped like the updates, which the per-leaf flags order, so tests/"
            "test_compiled.py cannot see it. A custom inner whose state is a tuple of the large "
            "moments compiles with 2 full-size copies with and without this ordering, so no test "
-           "can show what the combined predicate saves; see the report to the lead."),
+           "can show what the combined predicate saves (open question for _skip.py: show a state it "
+           "keeps copy-free, or drop it)."),
     Mutant("skip-no-per-leaf-ordering", SKIP,
            "per_leaf = [pred if f is None else jnp.logical_and(finite, f) for f in flags]",
            "per_leaf = [finite for f in flags]",

@@ -14,7 +14,8 @@ a core module and its replacement. For every mutant the runner
 A mutant is *killed* when its tests fail (or time out), *survived* when they
 pass, and *equivalent* when it survives and carries a reason why no test can
 tell it from the original (a mutant marked equivalent that is killed counts
-as killed and is flagged in the report). Before any mutant runs, every
+as killed and is flagged in the report). The exit status is 1 when a mutant
+survives that carries no ``note`` explaining why. Before any mutant runs, every
 snippet is checked (exactly one match) and the unmutated copy must pass all
 covering tests; either failure stops the run with exit status 2.
 
@@ -278,7 +279,8 @@ def main(argv=None) -> int:
     write_report(report, results, total, baseline_s)
     print(f"wrote {os.path.relpath(report, ROOT)}")
   print(f"{line} ({total / 60:.1f} min)")
-  return 1 if any(r["status"] == "survived" for r in results) else 0
+  # A survivor fails the run unless its mutant carries a note saying why it survives.
+  return 1 if any(r["status"] == "survived" and not r["mutant"].note for r in results) else 0
 
 
 if __name__ == "__main__":
