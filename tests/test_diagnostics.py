@@ -9,6 +9,8 @@ import pytest
 
 import jax_lossscale as jls
 
+from conftest import calibrated_iterations, slow_batch
+
 F16_SUB = float(2.0**-15)  # a float16 subnormal
 F16_TINY = float(2.0**-14)  # the smallest normal float16: not counted
 
@@ -118,31 +120,18 @@ def test_bfloat16_leaves():
   assert d["b/max_abs"].dtype == jnp.float32
 
 
-def _slow(x, n):
-  def body(_, m):
-    return jnp.tanh(m @ m) * 0.5
-
-  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
-  return x + jnp.zeros_like(x) * m[0, 0]
-
-
 def test_no_host_sync():
-  slow = jax.jit(_slow, static_argnums=1)
+  """The call returns while the gradients it reads are still being computed."""
   diag = jax.jit(jls.grad_diagnostics)
   g = {"a": jnp.ones((64, 64), jnp.float16), "b": jnp.ones((8,), jnp.float32)}
-  jax.block_until_ready(diag(g, 2.0))
-  n = 64
-  jax.block_until_ready(slow(g["b"], n))
-  t0 = time.perf_counter()
-  jax.block_until_ready(slow(g["b"], n))
-  # About 3 s: long enough that dispatching on a loaded machine stays well under half.
-  n = int(min(max(n * 3.0 / max(time.perf_counter() - t0, 1e-4), 64), 1_000_000))
-  jax.block_until_ready(slow(g["b"], n))  # compile at that length
+  scale = jnp.float32(2.0)
+  jax.block_until_ready(diag(g, scale))  # compiled for exactly the timed call's types
+  n = calibrated_iterations(g["b"], seconds=3.0)
+  jax.block_until_ready(slow_batch(g["b"], n))  # the loop length is a traced argument
 
   t0 = time.perf_counter()
-  b = slow(g["b"], n)
-  with jax.transfer_guard_device_to_host("disallow"):
-    d = diag({"a": g["a"], "b": b}, jnp.float32(2.0))
+  b = slow_batch(g["b"], n)
+  d = diag({"a": g["a"], "b": b}, scale)
   call_s = time.perf_counter() - t0
   still_running = not b.is_ready() and not d["min_headroom"].is_ready()
   jax.block_until_ready(d)
