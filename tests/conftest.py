@@ -97,26 +97,26 @@ def _missing_required_module(report) -> str:
   return ""
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector):
-  """In CI, a module-level ``importorskip`` of a required dependency fails the module."""
-  outcome = yield
-  report = outcome.get_result()
+def _fail_required_skip(report) -> None:
+  """In CI, turns a report skipped by ``importorskip`` of a required dependency into a failure."""
   name = _missing_required_module(report) if in_ci() else ""
   if name:
     report.outcome = "failed"
     report.longrepr = f"{name} is required in CI (it is in the test extra); importorskip skipped it"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+  """In CI, a module-level ``importorskip`` of a required dependency fails the module."""
+  outcome = yield
+  _fail_required_skip(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   """In CI, an ``importorskip`` of a required dependency inside a test fails it."""
   outcome = yield
-  report = outcome.get_result()
-  name = _missing_required_module(report) if in_ci() else ""
-  if name:
-    report.outcome = "failed"
-    report.longrepr = f"{name} is required in CI (it is in the test extra); importorskip skipped it"
+  _fail_required_skip(outcome.get_result())
 
 
 def standard_promotion():
