@@ -42,21 +42,26 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Dict
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))  # jax_lossscale from this checkout
 sys.path.insert(0, _HERE)  # the sibling modules below
 
+import bench_models  # noqa: E402
+from bench_models import BATCH  # noqa: E402
+from bench_models import DEFAULT_MODELS  # noqa: E402
+from bench_models import MODELS  # noqa: E402
+from bench_models import QUICK_MODELS  # noqa: E402
+import bench_report  # noqa: E402
+import bench_variants  # noqa: E402
+from bench_variants import INIT_SCALE  # noqa: E402
+from bench_variants import LEARNING_RATE  # noqa: E402
+from bench_variants import STATIC_SCALE  # noqa: E402
+from bench_variants import VARIANTS  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-import bench_models  # noqa: E402
-import bench_report  # noqa: E402
-import bench_variants  # noqa: E402
-from bench_models import BATCH, DEFAULT_MODELS, MODELS, QUICK_MODELS  # noqa: E402
-from bench_variants import INIT_SCALE, LEARNING_RATE, STATIC_SCALE, VARIANTS  # noqa: E402
 
 # (model, variant) pairs left out of --quick: jmp's per-leaf all_finite makes
 # XLA's compile time quadratic in the leaf count (~1-2 minutes at 200 leaves on
@@ -64,22 +69,22 @@ from bench_variants import INIT_SCALE, LEARNING_RATE, STATIC_SCALE, VARIANTS  # 
 # diagnostics' 800 scalars compile ~13x longer than the plain step there.
 QUICK_SKIP = {("deep-1m", "jmp"), ("deep-1m", "jls_diagnostics")}
 MEMORY_FIELDS = (
-    "temp_size_in_bytes",
-    "argument_size_in_bytes",
-    "output_size_in_bytes",
-    "alias_size_in_bytes",
-    "generated_code_size_in_bytes",
+  "temp_size_in_bytes",
+  "argument_size_in_bytes",
+  "output_size_in_bytes",
+  "alias_size_in_bytes",
+  "generated_code_size_in_bytes",
 )
 
 
 # ----------------------------------------------------------------------------- timing
 
 
-def memory(compiled) -> Dict[str, int]:
+def memory(compiled) -> dict[str, int]:
   """The byte counts of ``compiled.memory_analysis()`` (empty where unsupported)."""
   try:
     analysis = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 (some backends do not implement it)
+  except Exception:
     analysis = None
   if analysis is None:
     return {}
@@ -107,7 +112,7 @@ def run_steps(compiled, state, x, y, k: int):
   return state, time.perf_counter() - t0
 
 
-def bench_model(name: str, args) -> Dict[str, Any]:
+def bench_model(name: str, args) -> dict[str, Any]:
   model = MODELS[name]
   names = [v for v in args.variants if not (args.quick and (name, v) in QUICK_SKIP)]
   params = model.init_params(0)
@@ -127,20 +132,26 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     lower_s[v], compile_s[v], mem[v] = min(lows), min(comps), memory(exe)
     temp = mem[v].get("temp_size_in_bytes", -1) / bench_report.MIB
     print(
-        f"  {v:16s} lower {lower_s[v]:7.3f}s  compile {compile_s[v]:7.3f}s  temp {temp:8.1f} MiB",
-        flush=True,
+      f"  {v:16s} lower {lower_s[v]:7.3f}s  compile {compile_s[v]:7.3f}s  temp {temp:8.1f} MiB",
+      flush=True,
     )
 
   if args.compile_only:
-    return {"model": name, "label": model.label, "lower_s": lower_s, "compile_s": compile_s,
-            "memory": mem, "gradient_bytes": sum(int(np.prod(p.shape)) * 4 for p in leaves)}
+    return {
+      "model": name,
+      "label": model.label,
+      "lower_s": lower_s,
+      "compile_s": compile_s,
+      "memory": mem,
+      "gradient_bytes": sum(int(np.prod(p.shape)) * 4 for p in leaves),
+    }
 
   # Warm-up (also lets the dynamic scales settle after the first overflows).
   for v in names:
     states[v], _ = run_steps(compiled[v], states[v], x, y, args.warmup)
   # Steps per round: about args.round_seconds of baseline work.
   states["baseline"], dt = run_steps(compiled["baseline"], states["baseline"], x, y, 3)
-  k = args.steps or max(1, int(round(args.round_seconds / (dt / 3))))
+  k = args.steps or max(1, round(args.round_seconds / (dt / 3)))
 
   times = {v: [] for v in names}
   order = list(names)
@@ -152,15 +163,15 @@ def bench_model(name: str, args) -> Dict[str, Any]:
       times[v].append(dt / k)
 
   out = {
-      "model": name,
-      "label": model.label,
-      **model.config,
-      "params": n_params,
-      "leaves": len(leaves),
-      "gradient_bytes": sum(int(np.prod(p.shape)) * 4 for p in leaves),
-      "steps_per_round": k,
-      "rounds": args.rounds,
-      "variants": {},
+    "model": name,
+    "label": model.label,
+    **model.config,
+    "params": n_params,
+    "leaves": len(leaves),
+    "gradient_bytes": sum(int(np.prod(p.shape)) * 4 for p in leaves),
+    "steps_per_round": k,
+    "rounds": args.rounds,
+    "variants": {},
   }
   base_mem = mem["baseline"].get("temp_size_in_bytes")
   for v in names:
@@ -168,27 +179,27 @@ def bench_model(name: str, args) -> Dict[str, Any]:
     total = lower_s[v] + compile_s[v]
     base_total = lower_s["baseline"] + compile_s["baseline"]
     s = out["variants"][v] = {
-        "step_ms_median": 1e3 * statistics.median(times[v]),
-        "step_ms_all": [1e3 * t for t in times[v]],
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "lower_s": lower_s[v],
-        "compile_s": compile_s[v],
-        "compile_ratio": compile_s[v] / compile_s["baseline"],
-        "lower_compile_ratio": total / base_total,
-        "final": variants[v].describe(states[v]),
+      "step_ms_median": 1e3 * statistics.median(times[v]),
+      "step_ms_all": [1e3 * t for t in times[v]],
+      "ratio_median": statistics.median(ratios),
+      "ratio_min": min(ratios),
+      "ratio_max": max(ratios),
+      "lower_s": lower_s[v],
+      "compile_s": compile_s[v],
+      "compile_ratio": compile_s[v] / compile_s["baseline"],
+      "lower_compile_ratio": total / base_total,
+      "final": variants[v].describe(states[v]),
     }
     if base_mem and "temp_size_in_bytes" in mem[v]:
       s["temp_bytes"] = mem[v]["temp_size_in_bytes"]
       s["temp_ratio"] = s["temp_bytes"] / base_mem
       s["memory"] = mem[v]
     print(
-        f"  {v:16s} {s['step_ms_median']:9.3f} ms/step  ratio {s['ratio_median']:.3f} "
-        f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}]  compile x{s['compile_ratio']:.2f} "
-        f"(lower+compile x{s['lower_compile_ratio']:.2f})  temp x{s.get('temp_ratio', 0):.2f}  "
-        f"{s['final']}",
-        flush=True,
+      f"  {v:16s} {s['step_ms_median']:9.3f} ms/step  ratio {s['ratio_median']:.3f} "
+      f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}]  compile x{s['compile_ratio']:.2f} "
+      f"(lower+compile x{s['lower_compile_ratio']:.2f})  temp x{s.get('temp_ratio', 0):.2f}  "
+      f"{s['final']}",
+      flush=True,
     )
   return out
 
@@ -208,11 +219,20 @@ def parse_args(argv=None):
   parser.add_argument("--warmup", type=int, default=5)
   parser.add_argument("--compile-reps", type=int, default=1)
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--name", default=None, help="output file stem (default bench or bench-quick)")
-  parser.add_argument("--compile-only", action="store_true",
-                      help="compile time and temporary memory only: print a table, write nothing")
-  parser.add_argument("--render", metavar="JSON", default=None,
-                      help="only print the markdown of an earlier run's JSON")
+  parser.add_argument(
+    "--name", default=None, help="output file stem (default bench or bench-quick)"
+  )
+  parser.add_argument(
+    "--compile-only",
+    action="store_true",
+    help="compile time and temporary memory only: print a table, write nothing",
+  )
+  parser.add_argument(
+    "--render",
+    metavar="JSON",
+    default=None,
+    help="only print the markdown of an earlier run's JSON",
+  )
   args = parser.parse_args(argv)
   if args.rounds is None:
     args.rounds = 15 if args.quick else 21
@@ -260,21 +280,21 @@ def main(argv=None):
 
   os.makedirs(args.out, exist_ok=True)
   payload = {
-      "machine": info,
-      "settings": {
-          "batch": BATCH,
-          "learning_rate": LEARNING_RATE,
-          "init_scale": INIT_SCALE,
-          "static_scale": STATIC_SCALE,
-          "compute_dtype": "float16",
-          "param_dtype": "float32",
-          "rounds": args.rounds,
-          "compile_reps": args.compile_reps,
-          "warmup": args.warmup,
-          "seed": args.seed,
-          "variants": args.variants,
-      },
-      "results": results,
+    "machine": info,
+    "settings": {
+      "batch": BATCH,
+      "learning_rate": LEARNING_RATE,
+      "init_scale": INIT_SCALE,
+      "static_scale": STATIC_SCALE,
+      "compute_dtype": "float16",
+      "param_dtype": "float32",
+      "rounds": args.rounds,
+      "compile_reps": args.compile_reps,
+      "warmup": args.warmup,
+      "seed": args.seed,
+      "variants": args.variants,
+    },
+    "results": results,
   }
   with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
     json.dump(payload, f, indent=1)

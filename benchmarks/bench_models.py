@@ -12,7 +12,9 @@ loss ``loss_fn(params, x, y) -> float32 scalar``. Two families:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,27 +29,27 @@ class Model(NamedTuple):
   name: str
   label: str
   init_params: Callable[[int], Any]  # seed -> params (float32 pytree)
-  make_batch: Callable[[int], Tuple[jax.Array, jax.Array]]  # seed -> (x, y)
+  make_batch: Callable[[int], tuple[jax.Array, jax.Array]]  # seed -> (x, y)
   loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array]  # float32 scalar
-  config: Dict[str, Any]  # what the JSON records about the model
+  config: dict[str, Any]  # what the JSON records about the model
 
 
 # ----------------------------------------------------------------------------- MLP
 
 
-def mlp_init_params(widths: List[int], seed: int = 0) -> Dict[str, Any]:
+def mlp_init_params(widths: list[int], seed: int = 0) -> dict[str, Any]:
   rng = np.random.default_rng(seed)
   params = {}
   for i, (d_in, d_out) in enumerate(zip(widths[:-1], widths[1:])):
     w = rng.standard_normal((d_in, d_out), dtype=np.float32) / np.float32(np.sqrt(d_in))
     params[f"layer_{i:03d}"] = {
-        "w": jnp.asarray(w, jnp.float32),
-        "b": jnp.zeros((d_out,), jnp.float32),
+      "w": jnp.asarray(w, jnp.float32),
+      "b": jnp.zeros((d_out,), jnp.float32),
     }
   return params
 
 
-def mlp_make_batch(widths: List[int], seed: int = 1) -> Tuple[jax.Array, jax.Array]:
+def mlp_make_batch(widths: list[int], seed: int = 1) -> tuple[jax.Array, jax.Array]:
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((BATCH, widths[0]), dtype=np.float32), COMPUTE)
   y = jnp.asarray(rng.integers(0, widths[-1], size=(BATCH,)), jnp.int32)
@@ -67,14 +69,14 @@ def mlp_loss_fn(params, x, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def mlp(name: str, label: str, widths: List[int]) -> Model:
+def mlp(name: str, label: str, widths: list[int]) -> Model:
   return Model(
-      name=name,
-      label=label,
-      init_params=lambda seed=0: mlp_init_params(widths, seed),
-      make_batch=lambda seed=1: mlp_make_batch(widths, seed),
-      loss_fn=mlp_loss_fn,
-      config={"widths": widths},
+    name=name,
+    label=label,
+    init_params=lambda seed=0: mlp_init_params(widths, seed),
+    make_batch=lambda seed=1: mlp_make_batch(widths, seed),
+    loss_fn=mlp_loss_fn,
+    config={"widths": widths},
   )
 
 
@@ -83,7 +85,7 @@ def mlp(name: str, label: str, widths: List[int]) -> Model:
 LM = {"vocab": 128, "context": 64, "d_model": 64, "heads": 4, "layers": 2, "mlp": 4}
 
 
-def lm_init_params(seed: int = 0, **cfg) -> Dict[str, Any]:
+def lm_init_params(seed: int = 0, **cfg) -> dict[str, Any]:
   c = {**LM, **cfg}
   d, v, t, f = c["d_model"], c["vocab"], c["context"], c["mlp"] * c["d_model"]
   rng = np.random.default_rng(seed)
@@ -96,26 +98,26 @@ def lm_init_params(seed: int = 0, **cfg) -> Dict[str, Any]:
     return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
 
   params = {
-      "embed": jnp.asarray(0.02 * rng.standard_normal((v, d), dtype=np.float32)),
-      "pos": jnp.asarray(0.02 * rng.standard_normal((t, d), dtype=np.float32)),
-      "ln_f": norm(),
-      "head": dense(d, v),
+    "embed": jnp.asarray(0.02 * rng.standard_normal((v, d), dtype=np.float32)),
+    "pos": jnp.asarray(0.02 * rng.standard_normal((t, d), dtype=np.float32)),
+    "ln_f": norm(),
+    "head": dense(d, v),
   }
   for i in range(c["layers"]):
     params[f"block_{i}"] = {
-        "ln1": norm(),
-        "qkv": dense(d, 3 * d),
-        "proj": dense(d, d),
-        "ln2": norm(),
-        "fc1": dense(d, f),
-        "fc1_b": jnp.zeros((f,), jnp.float32),
-        "fc2": dense(f, d),
-        "fc2_b": jnp.zeros((d,), jnp.float32),
+      "ln1": norm(),
+      "qkv": dense(d, 3 * d),
+      "proj": dense(d, d),
+      "ln2": norm(),
+      "fc1": dense(d, f),
+      "fc1_b": jnp.zeros((f,), jnp.float32),
+      "fc2": dense(f, d),
+      "fc2_b": jnp.zeros((d,), jnp.float32),
     }
   return params
 
 
-def lm_make_batch(seed: int = 1, **cfg) -> Tuple[jax.Array, jax.Array]:
+def lm_make_batch(seed: int = 1, **cfg) -> tuple[jax.Array, jax.Array]:
   """Random printable-ASCII sequences: next-character prediction targets."""
   c = {**LM, **cfg}
   rng = np.random.default_rng(seed)
@@ -162,28 +164,28 @@ def lm_loss_fn(params, x, y, heads: int = LM["heads"]):
 
 def transformer(name: str, label: str) -> Model:
   return Model(
-      name=name,
-      label=label,
-      init_params=lambda seed=0: lm_init_params(seed),
-      make_batch=lambda seed=1: lm_make_batch(seed),
-      loss_fn=lm_loss_fn,
-      config={"transformer": dict(LM), "batch": BATCH},
+    name=name,
+    label=label,
+    init_params=lambda seed=0: lm_init_params(seed),
+    make_batch=lambda seed=1: lm_make_batch(seed),
+    loss_fn=lm_loss_fn,
+    config={"transformer": dict(LM), "batch": BATCH},
   )
 
 
 # ----------------------------------------------------------------------------- registry
 
-MODELS: Dict[str, Model] = {
-    m.name: m
-    for m in [
-        mlp("mlp-1m", "MLP ~1M params, 6 leaves", [512, 1024, 512, 10]),
-        mlp("deep-1m", "100 layers ~1M params, 200 leaves", [100] * 101),
-        mlp("mlp-30m", "MLP ~30M params, 6 leaves", [2048, 4096, 4096, 1024]),
-        mlp("deep-30m", "100 layers ~30M params, 200 leaves", [548] * 101),
-        transformer("transformer", "char-LM transformer ~0.12M params, 2 layers, 25 leaves"),
-        # Not in the default set: more leaves, for compile-time scaling.
-        mlp("deep400-1m", "400 layers ~1M params, 800 leaves", [50] * 401),
-    ]
+MODELS: dict[str, Model] = {
+  m.name: m
+  for m in [
+    mlp("mlp-1m", "MLP ~1M params, 6 leaves", [512, 1024, 512, 10]),
+    mlp("deep-1m", "100 layers ~1M params, 200 leaves", [100] * 101),
+    mlp("mlp-30m", "MLP ~30M params, 6 leaves", [2048, 4096, 4096, 1024]),
+    mlp("deep-30m", "100 layers ~30M params, 200 leaves", [548] * 101),
+    transformer("transformer", "char-LM transformer ~0.12M params, 2 layers, 25 leaves"),
+    # Not in the default set: more leaves, for compile-time scaling.
+    mlp("deep400-1m", "400 layers ~1M params, 800 leaves", [50] * 401),
+  ]
 }
 DEFAULT_MODELS = ["mlp-1m", "deep-1m", "mlp-30m", "deep-30m", "transformer"]
 QUICK_MODELS = ["mlp-1m", "deep-1m", "transformer"]

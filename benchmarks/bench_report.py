@@ -12,16 +12,15 @@ import json
 import os
 import platform
 import subprocess
-from typing import Any, Dict, List
-
-import jax
+from typing import Any
 
 from bench_variants import REGISTRY
+import jax
 
 MIB = 2.0**20
 
 
-def machine_info() -> Dict[str, Any]:
+def machine_info() -> dict[str, Any]:
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
@@ -35,30 +34,30 @@ def machine_info() -> Dict[str, Any]:
   for mod in ("jax", "jaxlib", "numpy", "optax", "flax", "jmp", "jax_lossscale"):
     try:
       versions[mod] = __import__(mod).__version__
-    except Exception:  # noqa: BLE001 (a peer may be missing)
+    except Exception:
       versions[mod] = None
   try:
     commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(os.path.abspath(__file__)),
-        check=False,
+      ["git", "rev-parse", "--short", "HEAD"],
+      capture_output=True,
+      text=True,
+      cwd=os.path.dirname(os.path.abspath(__file__)),
+      check=False,
     ).stdout.strip()
   except OSError:
     commit = ""
   dev = jax.devices()[0]
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-      "platform": platform.platform(),
-      "cpu": cpu,
-      "cpu_count": os.cpu_count(),
-      "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-      "backend": jax.default_backend(),
-      "device": f"{dev.platform}: {dev.device_kind}",
-      "device_count": jax.device_count(),
-      "versions": versions,
-      "git_commit": commit,
+    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "platform": platform.platform(),
+    "cpu": cpu,
+    "cpu_count": os.cpu_count(),
+    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    "backend": jax.default_backend(),
+    "device": f"{dev.platform}: {dev.device_kind}",
+    "device_count": jax.device_count(),
+    "versions": versions,
+    "git_commit": commit,
   }
 
 
@@ -66,7 +65,7 @@ def label(name: str) -> str:
   return REGISTRY[name].label if name in REGISTRY else name
 
 
-def shown_variants(payload: Dict[str, Any]) -> List[str]:
+def shown_variants(payload: dict[str, Any]) -> list[str]:
   """The variants of a payload in report order (registry order; baseline first)."""
   recorded = payload["settings"].get("variants")
   if recorded:
@@ -76,12 +75,12 @@ def shown_variants(payload: Dict[str, Any]) -> List[str]:
   return order + sorted(present - set(order))
 
 
-def _ratio_table(results, variants, last_header, cell, last_cell) -> List[str]:
+def _ratio_table(results, variants, last_header, cell, last_cell) -> list[str]:
   """A markdown table: one row per model, one column per non-baseline variant."""
   shown = [v for v in variants if v != "baseline"]
   lines = [
-      "| model | " + " | ".join(label(v) for v in shown) + f" | {last_header} |",
-      "|---|" + "---|" * len(variants),
+    "| model | " + " | ".join(label(v) for v in shown) + f" | {last_header} |",
+    "|---|" + "---|" * len(variants),
   ]
   for r in results:
     cells = [cell(r, r["variants"][v]) if v in r["variants"] else "not run" for v in shown]
@@ -100,54 +99,58 @@ def _memory_last(r, b) -> str:
   return f"{b['temp_bytes'] / MIB:.1f} / {grads / MIB:.1f} / {goal:.2f}"
 
 
-def markdown(payload: Dict[str, Any]) -> str:
+def markdown(payload: dict[str, Any]) -> str:
   info, settings, results = payload["machine"], payload["settings"], payload["results"]
   variants = shown_variants(payload)
   lines = [
-      "# Loss-scaling overhead in a jitted train step",
-      "",
-      f"{info['date']}; {info['device']} ({info['cpu']}, {info['affinity']} cores); "
-      + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
-      + f"; git {info['git_commit'] or '?'}.",
-      "",
-      "Full train step (forward + backward + Adam), float16 compute, float32 params, "
-      f"batch {settings['batch']}, donated buffers. Median over {settings['rounds']} rounds "
-      "(shuffled order) of the per-round step-time ratio to plain `optax.adam`; min..max in "
-      "brackets.",
-      "",
+    "# Loss-scaling overhead in a jitted train step",
+    "",
+    f"{info['date']}; {info['device']} ({info['cpu']}, {info['affinity']} cores); "
+    + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+    + f"; git {info['git_commit'] or '?'}.",
+    "",
+    "Full train step (forward + backward + Adam), float16 compute, float32 params, "
+    f"batch {settings['batch']}, donated buffers. Median over {settings['rounds']} rounds "
+    "(shuffled order) of the per-round step-time ratio to plain `optax.adam`; min..max in "
+    "brackets.",
+    "",
   ]
   lines += _ratio_table(
-      results, variants, "baseline ms/step",
-      lambda r, s: f"{s['ratio_median']:.2f} [{s['ratio_min']:.2f}..{s['ratio_max']:.2f}]",
-      lambda r, b: f"{b['step_ms_median']:.2f}",
+    results,
+    variants,
+    "baseline ms/step",
+    lambda r, s: f"{s['ratio_median']:.2f} [{s['ratio_min']:.2f}..{s['ratio_max']:.2f}]",
+    lambda r, b: f"{b['step_ms_median']:.2f}",
   )
   lines += [
-      "",
-      "Compile time (`jax.jit(step).lower(...).compile()`), ratio to the baseline's "
-      "(XLA compile only / trace+lower+compile); baseline seconds in the last column:",
-      "",
+    "",
+    "Compile time (`jax.jit(step).lower(...).compile()`), ratio to the baseline's "
+    "(XLA compile only / trace+lower+compile); baseline seconds in the last column:",
+    "",
   ]
   lines += _ratio_table(
-      results, variants, "baseline s",
-      lambda r, s: f"{s['compile_ratio']:.2f} / {s['lower_compile_ratio']:.2f}",
-      lambda r, b: f"{b['compile_s']:.2f} / {b['lower_s'] + b['compile_s']:.2f}",
+    results,
+    variants,
+    "baseline s",
+    lambda r, s: f"{s['compile_ratio']:.2f} / {s['lower_compile_ratio']:.2f}",
+    lambda r, b: f"{b['compile_s']:.2f} / {b['lower_s'] + b['compile_s']:.2f}",
   )
   if all("temp_bytes" in s for r in results for s in r["variants"].values()):
     lines += [
-        "",
-        "Peak temporary memory of the compiled step (`compiled.memory_analysis()."
-        "temp_size_in_bytes`: buffers that are neither arguments nor outputs), MiB and "
-        "(ratio to the baseline). Last column: baseline MiB / one gradient-sized buffer "
-        "(float32, all params) MiB / the goal ratio, baseline plus that buffer:",
-        "",
+      "",
+      "Peak temporary memory of the compiled step (`compiled.memory_analysis()."
+      "temp_size_in_bytes`: buffers that are neither arguments nor outputs), MiB and "
+      "(ratio to the baseline). Last column: baseline MiB / one gradient-sized buffer "
+      "(float32, all params) MiB / the goal ratio, baseline plus that buffer:",
+      "",
     ]
     lines += _ratio_table(
-        results, variants, "baseline / gradients / goal", _memory_cell, _memory_last
+      results, variants, "baseline / gradients / goal", _memory_cell, _memory_last
     )
   lines += ["", "Per-variant detail:", ""]
   lines += [
-      "| model | variant | ms/step (median) | ratio median [min..max] | compile s | lower s | final state |",
-      "|---|---|---|---|---|---|---|",
+    "| model | variant | ms/step (median) | ratio median [min..max] | compile s | lower s | final state |",
+    "|---|---|---|---|---|---|---|",
   ]
   for r in results:
     for v in variants:
@@ -155,18 +158,18 @@ def markdown(payload: Dict[str, Any]) -> str:
       if s is None:
         continue
       lines.append(
-          f"| {r['model']} | {v} | {s['step_ms_median']:.3f} | {s['ratio_median']:.3f} "
-          f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] | {s['compile_s']:.3f} | "
-          f"{s['lower_s']:.3f} | {json.dumps(s['final'])} |"
+        f"| {r['model']} | {v} | {s['step_ms_median']:.3f} | {s['ratio_median']:.3f} "
+        f"[{s['ratio_min']:.3f}..{s['ratio_max']:.3f}] | {s['compile_s']:.3f} | "
+        f"{s['lower_s']:.3f} | {json.dumps(s['final'])} |"
       )
   return "\n".join(lines) + "\n"
 
 
-def memory_markdown(results: List[Dict[str, Any]], variants: List[str]) -> str:
+def memory_markdown(results: list[dict[str, Any]], variants: list[str]) -> str:
   """``--compile-only``: temporary MiB (ratio to the baseline) and compile seconds."""
   lines = [
-      "| model | variant | temp MiB | temp / baseline | compile s |",
-      "|---|---|---|---|---|",
+    "| model | variant | temp MiB | temp / baseline | compile s |",
+    "|---|---|---|---|---|",
   ]
   for r in results:
     base = r["memory"]["baseline"].get("temp_size_in_bytes")
@@ -178,7 +181,7 @@ def memory_markdown(results: List[Dict[str, Any]], variants: List[str]) -> str:
       mib = f"{temp / MIB:.1f}" if temp is not None else "n/a"
       lines.append(f"| {r['model']} | {v} | {mib} | {ratio} | {r['compile_s'][v]:.2f} |")
     lines.append(
-        f"| {r['model']} | (one float32 gradient buffer) | {r['gradient_bytes'] / MIB:.1f} | "
-        f"{r['gradient_bytes'] / base:.2f} | |"
+      f"| {r['model']} | (one float32 gradient buffer) | {r['gradient_bytes'] / MIB:.1f} | "
+      f"{r['gradient_bytes'] / base:.2f} | |"
     )
   return "\n".join(lines) + "\n"

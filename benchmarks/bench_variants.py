@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +30,21 @@ STATIC_SCALE = 2.0**10  # optax.apply_if_finite: a static scale that never overf
 class Variant(NamedTuple):
   init: Callable[[Any], Any]  # params -> train state (a pytree, donated)
   step: Callable[..., Any]  # (state, x, y) -> (state, loss)
-  describe: Callable[[Any], Dict[str, Any]]  # final state -> notes
+  describe: Callable[[Any], dict[str, Any]]  # final state -> notes
 
 
 class Spec(NamedTuple):
   name: str
   label: str
   build: Callable[[Callable[..., Any]], Variant]  # loss_fn -> Variant
-  requires: Tuple[str, ...]  # "module" or "module:attribute"
+  requires: tuple[str, ...]  # "module" or "module:attribute"
   peer: bool  # another library's loss scaling (the report compares against these)
 
 
-REGISTRY: Dict[str, Spec] = {}
+REGISTRY: dict[str, Spec] = {}
 
 
-def variant(name: str, label: str, *, requires: Tuple[str, ...] = (), peer: bool = False):
+def variant(name: str, label: str, *, requires: tuple[str, ...] = (), peer: bool = False):
   """Registers the decorated ``build(loss_fn) -> Variant`` under ``name``."""
 
   def register(build):
@@ -54,7 +56,7 @@ def variant(name: str, label: str, *, requires: Tuple[str, ...] = (), peer: bool
   return register
 
 
-def missing(name: str) -> Optional[str]:
+def missing(name: str) -> str | None:
   """What variant ``name`` needs and is not installed, or ``None``."""
   for req in REGISTRY[name].requires:
     module, _, attr = req.partition(":")
@@ -81,7 +83,7 @@ def scaled_loss_fn(loss_fn, scale_state, x, y):
   return scaled
 
 
-def _scale_notes(scale_state) -> Dict[str, Any]:
+def _scale_notes(scale_state) -> dict[str, Any]:
   return {"scale": float(scale_state.scale), "skipped_steps": int(scale_state.skipped_steps)}
 
 
@@ -112,7 +114,7 @@ def jax_lossscale(loss_fn):
     return (optax.apply_updates(params, updates), opt_state), loss
 
   return Variant(
-      lambda p: (p, stx.init(p)), step, lambda s: _scale_notes(jls.get_scale_state(s[1]))
+    lambda p: (p, stx.init(p)), step, lambda s: _scale_notes(jls.get_scale_state(s[1]))
   )
 
 
@@ -124,8 +126,10 @@ def jls_trainstate(loss_fn):
 
   def init(p):
     return jls_flax.TrainState.create(
-        apply_fn=None, params=p, tx=tx,
-        dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
+      apply_fn=None,
+      params=p,
+      tx=tx,
+      dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
     )
 
   def step(state, x, y):
@@ -146,7 +150,7 @@ def flax_dynamic_scale(loss_fn):
 
   def init(p):
     ds = flax_ds.DynamicScale(
-        scale=jnp.asarray(INIT_SCALE, jnp.float32), fin_steps=jnp.zeros([], jnp.int32)
+      scale=jnp.asarray(INIT_SCALE, jnp.float32), fin_steps=jnp.zeros([], jnp.int32)
     )
     return (p, tx.init(p), ds)
 
@@ -156,7 +160,7 @@ def flax_dynamic_scale(loss_fn):
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     # As flax/examples/imagenet/train.py.
-    select = lambda a, b: jnp.where(is_fin, a, b)  # noqa: E731
+    select = lambda a, b: jnp.where(is_fin, a, b)
     new_opt_state = jax.tree_util.tree_map(select, new_opt_state, opt_state)
     new_params = jax.tree_util.tree_map(select, new_params, params)
     return (new_params, new_opt_state, ds), loss
@@ -193,7 +197,7 @@ def jmp_dynamic_loss_scale(loss_fn):
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     params, opt_state = jmp.select_tree(
-        grads_finite, (new_params, new_opt_state), (params, opt_state)
+      grads_finite, (new_params, new_opt_state), (params, opt_state)
     )
     return (params, opt_state, (loss_scale.loss_scale, loss_scale.counter)), loss
 
@@ -218,9 +222,9 @@ def optax_apply_if_finite(loss_fn):
     return (optax.apply_updates(params, updates), opt_state), loss
 
   return Variant(
-      lambda p: (p, atx.init(p)),
-      step,
-      lambda s: {"skipped_steps": int(s[1].total_notfinite), "scale": STATIC_SCALE},
+    lambda p: (p, atx.init(p)),
+    step,
+    lambda s: {"skipped_steps": int(s[1].total_notfinite), "scale": STATIC_SCALE},
   )
 
 
@@ -251,9 +255,9 @@ def cond_reference(loss_fn):
 
 
 @variant(
-    "jls_diagnostics",
-    "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
-    requires=("jax_lossscale:grad_diagnostics",),
+  "jls_diagnostics",
+  "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
+  requires=("jax_lossscale:grad_diagnostics",),
 )
 def jls_with_diagnostics(loss_fn):
   """The ``jax_lossscale`` step plus the per-layer diagnostics of every step.

@@ -14,19 +14,21 @@ import os
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import sys
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
-import jax_lossscale as jls  # noqa: E402
+import jax_lossscale as jls
 
 
 def make_data(n=256, d=16, seed=0):
@@ -59,8 +61,8 @@ def main(argv=None):
   x, y = jax.device_put(x, data_sharding), jax.device_put(y, data_sharding)
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {
-      "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
-      "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
+    "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
+    "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
   }
   tx = jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**24, growth_interval=20)
   params = jax.device_put(params, replicated)
@@ -80,8 +82,10 @@ def main(argv=None):
   for step in range(steps):
     params, opt_state, loss, m = train_step(params, opt_state, x, y)
     if step % max(1, steps // 10) == 0 or step == steps - 1:
-      print(f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
-            f"skipped {int(m['skipped_steps'])}")
+      print(
+        f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
+        f"skipped {int(m['skipped_steps'])}"
+      )
     if first is None and not bool(m["last_step_skipped"]):
       first = float(loss)
 
@@ -89,10 +93,13 @@ def main(argv=None):
     first = float("nan")
   final = float(loss_fn(params, x, y))
   replicated_ok = all(p.sharding.is_fully_replicated for p in jax.tree_util.tree_leaves(params))
-  print(f"final loss {final:.5f} (first applied step {first:.5f}), "
-        f"skipped steps {int(m['skipped_steps'])}, params replicated: {replicated_ok}")
-  if not (final < 0.5 * first and int(m["skipped_steps"]) > 0 and replicated_ok
-          and len(devices) > 1):
+  print(
+    f"final loss {final:.5f} (first applied step {first:.5f}), "
+    f"skipped steps {int(m['skipped_steps'])}, params replicated: {replicated_ok}"
+  )
+  if not (
+    final < 0.5 * first and int(m["skipped_steps"]) > 0 and replicated_ok and len(devices) > 1
+  ):
     print("FAILED: the loss did not go down, or no overflow was handled", file=sys.stderr)
     return 1
   return 0

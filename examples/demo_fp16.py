@@ -39,7 +39,10 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 RUNS = ("float32", "float16", "float16 + scaling")
 
@@ -77,39 +80,73 @@ def _positive_float(name: str, maximum: float = math.inf):
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      description=(
-          "Train an MLP on scikit-learn's digits in float32, in float16 without "
-          "loss scaling and in float16 with jax_lossscale.dynamic_loss_scale; "
-          "print a table and write a PNG."
-      ),
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    description=(
+      "Train an MLP on scikit-learn's digits in float32, in float16 without "
+      "loss scaling and in float16 with jax_lossscale.dynamic_loss_scale; "
+      "print a table and write a PNG."
+    ),
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument("--steps", type=_int_at_least(1, "--steps"), default=3000,
-                 help="optimizer steps per run")
-  p.add_argument("--seed", type=_int_at_least(0, "--seed"), default=0,
-                 help="seed of the initial parameters, the split and the batches")
+  p.add_argument(
+    "--steps", type=_int_at_least(1, "--steps"), default=3000, help="optimizer steps per run"
+  )
+  p.add_argument(
+    "--seed",
+    type=_int_at_least(0, "--seed"),
+    default=0,
+    help="seed of the initial parameters, the split and the batches",
+  )
   p.add_argument("--out", default="out", help="output folder (created if missing)")
-  p.add_argument("--batch-size", type=_int_at_least(1, "--batch-size"), default=1024,
-                 help="examples per step; the loss is the batch mean")
-  p.add_argument("--hidden", type=_int_at_least(1, "--hidden"), default=64,
-                 help="width of each hidden layer")
-  p.add_argument("--depth", type=_int_at_least(1, "--depth"), default=4,
-                 help="number of hidden layers")
-  p.add_argument("--lr", type=_positive_float("--lr"), default=1e-3,
-                 help="Adam learning rate")
-  p.add_argument("--init-scale", type=_positive_float("--init-scale"), default=1.0,
-                 help="multiplier of the He-normal initial weights")
-  p.add_argument("--param-dtype", choices=("float32", "float16"), default="float32",
-                 help="dtype of the parameters of the two float16 runs "
-                      "(float32 = master weights, float16 = params and grads in float16)")
-  p.add_argument("--init-loss-scale", type=_positive_float("--init-loss-scale", 2.0**100),
-                 default=2.0**16, help="initial loss scale of the scaled run")
-  p.add_argument("--growth-interval", type=_int_at_least(1, "--growth-interval"), default=100,
-                 help="clean steps before the scale doubles (torch's default is 2000)")
-  p.add_argument("--test-fraction", type=_positive_float("--test-fraction", 0.9), default=0.2,
-                 help="fraction of the 1797 digits held out for testing")
-  p.add_argument("--probes", type=_int_at_least(1, "--probes"), default=40,
-                 help="number of sampled steps at which underflow is measured")
+  p.add_argument(
+    "--batch-size",
+    type=_int_at_least(1, "--batch-size"),
+    default=1024,
+    help="examples per step; the loss is the batch mean",
+  )
+  p.add_argument(
+    "--hidden", type=_int_at_least(1, "--hidden"), default=64, help="width of each hidden layer"
+  )
+  p.add_argument(
+    "--depth", type=_int_at_least(1, "--depth"), default=4, help="number of hidden layers"
+  )
+  p.add_argument("--lr", type=_positive_float("--lr"), default=1e-3, help="Adam learning rate")
+  p.add_argument(
+    "--init-scale",
+    type=_positive_float("--init-scale"),
+    default=1.0,
+    help="multiplier of the He-normal initial weights",
+  )
+  p.add_argument(
+    "--param-dtype",
+    choices=("float32", "float16"),
+    default="float32",
+    help="dtype of the parameters of the two float16 runs "
+    "(float32 = master weights, float16 = params and grads in float16)",
+  )
+  p.add_argument(
+    "--init-loss-scale",
+    type=_positive_float("--init-loss-scale", 2.0**100),
+    default=2.0**16,
+    help="initial loss scale of the scaled run",
+  )
+  p.add_argument(
+    "--growth-interval",
+    type=_int_at_least(1, "--growth-interval"),
+    default=100,
+    help="clean steps before the scale doubles (torch's default is 2000)",
+  )
+  p.add_argument(
+    "--test-fraction",
+    type=_positive_float("--test-fraction", 0.9),
+    default=0.2,
+    help="fraction of the 1797 digits held out for testing",
+  )
+  p.add_argument(
+    "--probes",
+    type=_int_at_least(1, "--probes"),
+    default=40,
+    help="number of sampled steps at which underflow is measured",
+  )
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.add_argument("--no-plot", action="store_true", help="skip the PNG")
   return p
@@ -120,10 +157,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.probes > args.steps:
     args.probes = args.steps
-  n_train = 1797 - int(round(1797 * args.test_fraction))
+  n_train = 1797 - round(1797 * args.test_fraction)
   if args.batch_size > n_train:
-    parser.error(f"argument --batch-size: must be <= the {n_train} training examples, "
-                 f"got {args.batch_size}")
+    parser.error(
+      f"argument --batch-size: must be <= the {n_train} training examples, got {args.batch_size}"
+    )
   if os.path.exists(args.out) and not os.path.isdir(args.out):
     parser.error(f"argument --out: {args.out!r} exists and is not a folder")
   return args
@@ -141,8 +179,8 @@ def load_data(seed: int, test_fraction: float):
     from sklearn.model_selection import train_test_split
   except ImportError:
     raise SystemExit(
-        "The demo needs scikit-learn, matplotlib and tqdm: "
-        "pip install 'jax-lossscale[demo]' (or run `make demo`)."
+      "The demo needs scikit-learn, matplotlib and tqdm: "
+      "pip install 'jax-lossscale[demo]' (or run `make demo`)."
     ) from None
 
   digits = load_digits()
@@ -166,11 +204,11 @@ class Setup(NamedTuple):
   y_train: Any
   x_test: Any
   y_test: Any
-  sizes: List[int]
+  sizes: list[int]
   params0: Any
   batch_key: Any
-  chunks: List[Tuple[int, int]]  # [start, stop) of each scanned chunk; a probe before each
-  runs: List[Run]
+  chunks: list[tuple[int, int]]  # [start, stop) of each scanned chunk; a probe before each
+  runs: list[Run]
 
 
 class RunFns(NamedTuple):
@@ -222,12 +260,22 @@ def build(args: argparse.Namespace) -> Setup:
   chunks = [(lo, min(args.steps, lo + probe_every)) for lo in range(0, args.steps, probe_every)]
   half_params = jnp.float16 if args.param_dtype == "float16" else jnp.float32
   runs = [
-      Run(RUNS[0], jnp.float32, jnp.float32, False),
-      Run(RUNS[1], jnp.float16, half_params, False),
-      Run(RUNS[2], jnp.float16, half_params, True),
+    Run(RUNS[0], jnp.float32, jnp.float32, False),
+    Run(RUNS[1], jnp.float16, half_params, False),
+    Run(RUNS[2], jnp.float16, half_params, True),
   ]
-  return Setup(args, jnp.asarray(x_train), jnp.asarray(y_train), jnp.asarray(x_test),
-               jnp.asarray(y_test), sizes, params0, batch_key, chunks, runs)
+  return Setup(
+    args,
+    jnp.asarray(x_train),
+    jnp.asarray(y_train),
+    jnp.asarray(x_test),
+    jnp.asarray(y_test),
+    sizes,
+    params0,
+    batch_key,
+    chunks,
+    runs,
+  )
 
 
 def make_run_fns(setup: Setup, run: Run) -> RunFns:
@@ -242,14 +290,14 @@ def make_run_fns(setup: Setup, run: Run) -> RunFns:
   adam = optax.adam(args.lr)
   if run.scaled:
     tx = jls.dynamic_loss_scale(
-        adam, init_scale=args.init_loss_scale, growth_interval=args.growth_interval
+      adam, init_scale=args.init_loss_scale, growth_interval=args.growth_interval
     )
   else:
     tx = jls.no_loss_scale(adam)  # scale 1: plain Adam, same state layout
 
   def batch_indices(step):
     return jax.random.randint(
-        jax.random.fold_in(setup.batch_key, step), (args.batch_size,), 0, setup.x_train.shape[0]
+      jax.random.fold_in(setup.batch_key, step), (args.batch_size,), 0, setup.x_train.shape[0]
     )
 
   def train_step(carry, step):
@@ -274,16 +322,19 @@ def make_run_fns(setup: Setup, run: Run) -> RunFns:
     return params, opt_state, out
 
   def probe_loss(variables, idx, dtype):
-    return loss_fn(variables["params"], setup.x_train[idx], setup.y_train[idx], dtype,
-                   variables["activations"])
+    return loss_fn(
+      variables["params"], setup.x_train[idx], setup.y_train[idx], dtype, variables["activations"]
+    )
 
   @jax.jit
   def probe(params, opt_state, step):
     """jls.check_underflow of this run's backward (at its scale) at this step's batch."""
     taps = [jnp.zeros((args.batch_size, n), jnp.float32) for n in setup.sizes[1:]]
     return jls.check_underflow(
-        probe_loss, {"params": params, "activations": taps}, batch_indices(step),
-        scale=jls.get_scale_state(opt_state).scale,
+      probe_loss,
+      {"params": params, "activations": taps},
+      batch_indices(step),
+      scale=jls.get_scale_state(opt_state).scale,
     )
 
   @jax.jit
@@ -309,8 +360,10 @@ def probe_underflow(fns: RunFns, params, opt_state, step: int):
   nz_act = sum(int(v) for k, v in report.nonzero.items() if k.startswith("activations/"))
   if not (bool(report.finite_scaled) and nz_par > 0 and nz_act > 0):
     return None
-  return (report.total(scaled=True, prefix="params/"),
-          report.total(scaled=True, prefix="activations/"))
+  return (
+    report.total(scaled=True, prefix="params/"),
+    report.total(scaled=True, prefix="activations/"),
+  )
 
 
 def train_run(setup: Setup, run: Run, fns: RunFns, tqdm=None):
@@ -335,7 +388,7 @@ def train_run(setup: Setup, run: Run, fns: RunFns, tqdm=None):
         frac_par.append(shares[0])
         frac_act.append(shares[1])
     params, opt_state, (loss, scale, skipped) = fns.train_chunk(
-        params, opt_state, jnp.arange(lo, hi, dtype=jnp.int32)
+      params, opt_state, jnp.arange(lo, hi, dtype=jnp.int32)
     )
     losses.append(np.asarray(loss))
     scales.append(np.asarray(scale))
@@ -358,64 +411,68 @@ def train_run(setup: Setup, run: Run, fns: RunFns, tqdm=None):
   n_half = max(1, len(frac_par) // 2)
   summary = lambda f, g: float(g(f)) if f.size else None
   result = {
-      "run": run.name,
-      "compute_dtype": jnp.dtype(run.compute_dtype).name,
-      "param_dtype": jnp.dtype(run.param_dtype).name,
-      "loss_scaling": "dynamic" if run.scaled else "none",
-      "train_loss": float(train_loss),
-      "train_accuracy": float(train_acc),
-      "test_loss": float(test_loss),
-      "test_accuracy": float(test_acc),
-      "final_batch_loss": float(losses[-1]),
-      # Underflow: None for the float32 reference (nothing to compare).
-      # Fractions of the float32-non-zero gradient elements that are exactly
-      # zero in this run, over the probed steps: parameter gradients and
-      # activation gradients (of each layer's pre-activation, per example).
-      "underflow_params_mean": summary(frac_par, np.mean),
-      "underflow_params_last_half": summary(frac_par[-n_half:], np.mean),
-      "underflow_params_max": summary(frac_par, np.max),
-      "underflow_activations_mean": summary(frac_act, np.mean),
-      "underflow_activations_last_half": summary(frac_act[-n_half:], np.mean),
-      "underflow_activations_max": summary(frac_act, np.max),
-      "underflow_probes": int(frac_par.size),
-      "skipped_steps": int(scale_state.skipped_steps),
-      "scale_final": float(scale_state.scale),
-      "scale_min": float(min(scales.min(), scale_state.scale)),
-      "scale_max": float(max(scales.max(), scale_state.scale)),
-      "seconds": seconds,
+    "run": run.name,
+    "compute_dtype": jnp.dtype(run.compute_dtype).name,
+    "param_dtype": jnp.dtype(run.param_dtype).name,
+    "loss_scaling": "dynamic" if run.scaled else "none",
+    "train_loss": float(train_loss),
+    "train_accuracy": float(train_acc),
+    "test_loss": float(test_loss),
+    "test_accuracy": float(test_acc),
+    "final_batch_loss": float(losses[-1]),
+    # Underflow: None for the float32 reference (nothing to compare).
+    # Fractions of the float32-non-zero gradient elements that are exactly
+    # zero in this run, over the probed steps: parameter gradients and
+    # activation gradients (of each layer's pre-activation, per example).
+    "underflow_params_mean": summary(frac_par, np.mean),
+    "underflow_params_last_half": summary(frac_par[-n_half:], np.mean),
+    "underflow_params_max": summary(frac_par, np.max),
+    "underflow_activations_mean": summary(frac_act, np.mean),
+    "underflow_activations_last_half": summary(frac_act[-n_half:], np.mean),
+    "underflow_activations_max": summary(frac_act, np.max),
+    "underflow_probes": int(frac_par.size),
+    "skipped_steps": int(scale_state.skipped_steps),
+    "scale_final": float(scale_state.scale),
+    "scale_min": float(min(scales.min(), scale_state.scale)),
+    "scale_max": float(max(scales.max(), scale_state.scale)),
+    "seconds": seconds,
   }
   curves = {
-      "loss": losses, "scale": scales, "skipped": skips,
-      "probe_steps": np.asarray(probe_steps), "frac_par": frac_par, "frac_act": frac_act,
+    "loss": losses,
+    "scale": scales,
+    "skipped": skips,
+    "probe_steps": np.asarray(probe_steps),
+    "frac_par": frac_par,
+    "frac_act": frac_act,
   }
   return result, curves
 
 
-def make_report(setup: Setup, results: List[Dict[str, Any]], wall_seconds: float):
+def make_report(setup: Setup, results: list[dict[str, Any]], wall_seconds: float):
   """Step 4a: the report (config, machine, runs) that the table and JSON show."""
   import jax
 
   args = setup.args
   return {
-      "config": {k: v for k, v in vars(args).items() if k not in ("no_progress", "no_plot")},
-      "machine": {
-          "cpu": _cpu_name(),
-          "platform": platform.platform(),
-          "processor": platform.machine(),
-          "cpu_count": os.cpu_count(),
-          "jax_backend": jax.default_backend(),
-          "jax_version": jax.__version__,
-      },
-      "date": time.strftime("%Y-%m-%d", time.gmtime()),
-      "wall_seconds": wall_seconds,
-      "train_examples": int(setup.x_train.shape[0]),
-      "test_examples": int(setup.x_test.shape[0]),
-      "parameters": int(sum(p.size for p in jax.tree_util.tree_leaves(setup.params0))),
-      "runs": results,
+    "config": {k: v for k, v in vars(args).items() if k not in ("no_progress", "no_plot")},
+    "machine": {
+      "cpu": _cpu_name(),
+      "platform": platform.platform(),
+      "processor": platform.machine(),
+      "cpu_count": os.cpu_count(),
+      "jax_backend": jax.default_backend(),
+      "jax_version": jax.__version__,
+    },
+    "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    "wall_seconds": wall_seconds,
+    "train_examples": int(setup.x_train.shape[0]),
+    "test_examples": int(setup.x_test.shape[0]),
+    "parameters": int(sum(p.size for p in jax.tree_util.tree_leaves(setup.params0))),
+    "runs": results,
   }
 
 
-def write_outputs(report: Dict[str, Any], curves, out: str, no_plot: bool) -> None:
+def write_outputs(report: dict[str, Any], curves, out: str, no_plot: bool) -> None:
   """Step 4b: print the table; write the JSON, the Markdown table and the PNG."""
   table = format_table(report)
   print(table)
@@ -430,7 +487,7 @@ def write_outputs(report: Dict[str, Any], curves, out: str, no_plot: bool) -> No
     print(f"wrote {path}")
 
 
-def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)  # before importing JAX: --help and errors are instant
   setup = build(args)
   try:
@@ -473,40 +530,41 @@ def _pow2(x: float) -> str:
   return f"2^{e:.0f}" if e == round(e) else f"{x:.3g}"
 
 
-def format_table(report: Dict[str, Any]) -> str:
+def format_table(report: dict[str, Any]) -> str:
   """The results as a Markdown table (also readable as plain text)."""
   cfg = report["config"]
   lines = [
-      f"digits: {report['train_examples']} train / {report['test_examples']} test, "
-      f"MLP {cfg['depth']}x{cfg['hidden']} ReLU ({report['parameters']} parameters), "
-      f"Adam lr={cfg['lr']:g}, batch {cfg['batch_size']}, {cfg['steps']} steps, "
-      f"seed {cfg['seed']}, float16 runs: {cfg['param_dtype']} parameters",
-      "",
-      "| run | train acc | test acc | train loss | test loss "
-      "| underflow, param grads | underflow, activation grads "
-      "| skipped | scale final (range) |",
-      "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    f"digits: {report['train_examples']} train / {report['test_examples']} test, "
+    f"MLP {cfg['depth']}x{cfg['hidden']} ReLU ({report['parameters']} parameters), "
+    f"Adam lr={cfg['lr']:g}, batch {cfg['batch_size']}, {cfg['steps']} steps, "
+    f"seed {cfg['seed']}, float16 runs: {cfg['param_dtype']} parameters",
+    "",
+    "| run | train acc | test acc | train loss | test loss "
+    "| underflow, param grads | underflow, activation grads "
+    "| skipped | scale final (range) |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in report["runs"]:
-    under = lambda kind: (
-        "n/a (reference)" if r[f"underflow_{kind}_mean"] is None else
-        f"{_pct(r[f'underflow_{kind}_mean'])} / {_pct(r[f'underflow_{kind}_last_half'])}")
-    scale = (f"{_pow2(r['scale_final'])} ({_pow2(r['scale_min'])} .. "
-             f"{_pow2(r['scale_max'])})")
+    under = lambda kind, r=r: (
+      "n/a (reference)"
+      if r[f"underflow_{kind}_mean"] is None
+      else f"{_pct(r[f'underflow_{kind}_mean'])} / {_pct(r[f'underflow_{kind}_last_half'])}"
+    )
+    scale = f"{_pow2(r['scale_final'])} ({_pow2(r['scale_min'])} .. {_pow2(r['scale_max'])})"
     lines.append(
-        f"| {r['run']} | {r['train_accuracy']:.4f} | {r['test_accuracy']:.4f} "
-        f"| {r['train_loss']:.4g} | {r['test_loss']:.4g} "
-        f"| {under('params')} | {under('activations')} "
-        f"| {r['skipped_steps']} | {scale} |"
+      f"| {r['run']} | {r['train_accuracy']:.4f} | {r['test_accuracy']:.4f} "
+      f"| {r['train_loss']:.4g} | {r['test_loss']:.4g} "
+      f"| {under('params')} | {under('activations')} "
+      f"| {r['skipped_steps']} | {scale} |"
     )
   m = report["machine"]
   lines += [
-      "",
-      f"{report['date']}, {m['cpu_count']} CPU cores ({m['cpu']}), JAX {m['jax_version']} "
-      f"on {m['jax_backend']}, {report['wall_seconds']:.0f} s in all. Underflow: share of "
-      "the float32-non-zero gradient elements that are exactly 0 in the run "
-      f"(mean over {report['runs'][-1]['underflow_probes']} sampled steps / "
-      "mean over the second half).",
+    "",
+    f"{report['date']}, {m['cpu_count']} CPU cores ({m['cpu']}), JAX {m['jax_version']} "
+    f"on {m['jax_backend']}, {report['wall_seconds']:.0f} s in all. Underflow: share of "
+    "the float32-non-zero gradient elements that are exactly 0 in the run "
+    f"(mean over {report['runs'][-1]['underflow_probes']} sampled steps / "
+    "mean over the second half).",
   ]
   return "\n".join(lines)
 
@@ -520,7 +578,7 @@ def _smooth(y, width: int):
   return np.arange(width - 1, y.size), np.convolve(y, kernel, mode="valid")
 
 
-def plot(curves: Dict[str, Dict[str, Any]], report: Dict[str, Any], path: str) -> None:
+def plot(curves: dict[str, dict[str, Any]], report: dict[str, Any], path: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -529,7 +587,7 @@ def plot(curves: Dict[str, Dict[str, Any]], report: Dict[str, Any], path: str) -
 
   colors = {RUNS[0]: "black", RUNS[1]: "tab:red", RUNS[2]: "tab:blue"}
   fig, (ax_loss, ax_under, ax_scale) = plt.subplots(
-      3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}
+    3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]}
   )
   steps = len(next(iter(curves.values()))["loss"])
   width = max(1, steps // 100)
@@ -541,26 +599,50 @@ def plot(curves: Dict[str, Dict[str, Any]], report: Dict[str, Any], path: str) -
   ax_loss.legend()
   cfg = report["config"]
   ax_loss.set_title(
-      f"digits, MLP {cfg['depth']}x{cfg['hidden']}, batch {cfg['batch_size']}, "
-      f"float16 runs with {cfg['param_dtype']} parameters"
+    f"digits, MLP {cfg['depth']}x{cfg['hidden']}, batch {cfg['batch_size']}, "
+    f"float16 runs with {cfg['param_dtype']} parameters"
   )
 
   for name in RUNS[1:]:
     c = curves[name]
-    ax_under.plot(c["probe_steps"], 100 * c["frac_act"], "o-", ms=3,
-                  color=colors[name], label=f"{name}: activation grads")
-    ax_under.plot(c["probe_steps"], 100 * c["frac_par"], "s--", ms=3,
-                  color=colors[name], label=f"{name}: parameter grads", alpha=0.7)
+    ax_under.plot(
+      c["probe_steps"],
+      100 * c["frac_act"],
+      "o-",
+      ms=3,
+      color=colors[name],
+      label=f"{name}: activation grads",
+    )
+    ax_under.plot(
+      c["probe_steps"],
+      100 * c["frac_par"],
+      "s--",
+      ms=3,
+      color=colors[name],
+      label=f"{name}: parameter grads",
+      alpha=0.7,
+    )
   ax_under.set_ylabel("gradient elements\nflushed to 0 (%)")
   ax_under.legend()
 
   c = curves[RUNS[2]]
-  ax_scale.plot(np.arange(steps), c["scale"], color=colors[RUNS[2]], lw=1.2,
-                label="loss scale (float16 + scaling)")
+  ax_scale.plot(
+    np.arange(steps),
+    c["scale"],
+    color=colors[RUNS[2]],
+    lw=1.2,
+    label="loss scale (float16 + scaling)",
+  )
   skipped = np.flatnonzero(c["skipped"])
   if skipped.size:
-    ax_scale.plot(skipped, c["scale"][skipped], "x", color="tab:orange", ms=7,
-                  label=f"skipped step ({skipped.size})")
+    ax_scale.plot(
+      skipped,
+      c["scale"][skipped],
+      "x",
+      color="tab:orange",
+      ms=7,
+      label=f"skipped step ({skipped.size})",
+    )
   ax_scale.set_yscale("log", base=2)
   ax_scale.set_ylabel("loss scale")
   ax_scale.set_xlabel("step")

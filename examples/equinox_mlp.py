@@ -38,7 +38,7 @@ def make_model(key, d=16, hidden=32):
 def to_half(model):
   """The model with every floating-point array cast to float16 (compute copy)."""
   return jax.tree_util.tree_map(
-      lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
+    lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
   )
 
 
@@ -81,8 +81,10 @@ def main(argv=None):
   for step in range(steps):
     model, opt_state, loss, m = train_step(model, opt_state, x, y)
     if step % max(1, steps // 10) == 0 or step == steps - 1:
-      print(f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
-            f"skipped {int(m['skipped_steps'])}")
+      print(
+        f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
+        f"skipped {int(m['skipped_steps'])}"
+      )
     if first is None and not bool(m["last_step_skipped"]):
       first = float(loss)
 
@@ -91,8 +93,10 @@ def main(argv=None):
   final = float(loss_fn(model, x, y))
   leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
   finite = all(bool(jnp.all(jnp.isfinite(p))) for p in leaves)
-  print(f"final loss {final:.5f} (first applied step {first:.5f}), "
-        f"skipped steps {int(m['skipped_steps'])}")
+  print(
+    f"final loss {final:.5f} (first applied step {first:.5f}), "
+    f"skipped steps {int(m['skipped_steps'])}"
+  )
   if not (finite and final < 0.5 * first and int(m["skipped_steps"]) > 0):
     print("FAILED: the loss did not go down, or no overflow was handled", file=sys.stderr)
     return 1

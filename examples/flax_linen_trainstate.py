@@ -63,18 +63,20 @@ def main(argv=None):
   x, y = make_data()
   model = MLP()
   state = TrainState.create(
-      apply_fn=model.apply,
-      params=model.init(jax.random.key(0), x)["params"],
-      tx=optax.adam(1e-2),
-      # Too large on purpose: the first steps overflow float16 and are skipped.
-      dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**24, growth_interval=20),
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x)["params"],
+    tx=optax.adam(1e-2),
+    # Too large on purpose: the first steps overflow float16 and are skipped.
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**24, growth_interval=20),
   )
   first = None
   for i in range(steps):
     state, loss, m = train_step(state, x, y)
     if i % max(1, steps // 10) == 0 or i == steps - 1:
-      print(f"iter {i:4d}  step {int(state.step):4d}  loss {float(loss):.5f}  "
-            f"scale {float(m['scale']):>10.0f}  skipped {int(m['skipped_steps'])}")
+      print(
+        f"iter {i:4d}  step {int(state.step):4d}  loss {float(loss):.5f}  "
+        f"scale {float(m['scale']):>10.0f}  skipped {int(m['skipped_steps'])}"
+      )
     if first is None and not bool(m["last_step_skipped"]):
       first = float(loss)
 
@@ -82,13 +84,15 @@ def main(argv=None):
     first = float("nan")
   final = float(jnp.mean((state.apply_fn({"params": state.params}, x) - y) ** 2))
   skipped = int(m["skipped_steps"])
-  print(f"final loss {final:.5f} (first applied step {first:.5f}), "
-        f"applied steps {int(state.step)}, skipped steps {skipped}")
+  print(
+    f"final loss {final:.5f} (first applied step {first:.5f}), "
+    f"applied steps {int(state.step)}, skipped steps {skipped}"
+  )
   ok = (
-      final < 0.5 * first
-      and skipped > 0
-      and int(state.step) + skipped == steps  # skipped steps do not advance `step`
-      and all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree_util.tree_leaves(state.params))
+    final < 0.5 * first
+    and skipped > 0
+    and int(state.step) + skipped == steps  # skipped steps do not advance `step`
+    and all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree_util.tree_leaves(state.params))
   )
   if not ok:
     print("FAILED: the loss did not go down, or the step count is off", file=sys.stderr)

@@ -14,11 +14,11 @@ import argparse
 import inspect
 import sys
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import jax_lossscale as jls
 
@@ -75,8 +75,10 @@ def main(argv=None):
   for i in range(steps):
     loss, m = train_step(model, optimizer, x, y)
     if i % max(1, steps // 10) == 0 or i == steps - 1:
-      print(f"step {i:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
-            f"skipped {int(m['skipped_steps'])}")
+      print(
+        f"step {i:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
+        f"skipped {int(m['skipped_steps'])}"
+      )
     if first is None and not bool(m["last_step_skipped"]):
       first = float(loss)
 
@@ -84,10 +86,15 @@ def main(argv=None):
     first = float("nan")
   final = float(jnp.mean((model(x) - y) ** 2))
   params = jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))
-  print(f"final loss {final:.5f} (first applied step {first:.5f}), "
-        f"skipped steps {int(m['skipped_steps'])}")
-  if not (final < 0.5 * first and int(m["skipped_steps"]) > 0
-          and all(bool(jnp.all(jnp.isfinite(p))) for p in params)):
+  print(
+    f"final loss {final:.5f} (first applied step {first:.5f}), "
+    f"skipped steps {int(m['skipped_steps'])}"
+  )
+  if not (
+    final < 0.5 * first
+    and int(m["skipped_steps"]) > 0
+    and all(bool(jnp.all(jnp.isfinite(p))) for p in params)
+  ):
     print("FAILED: the loss did not go down, or no overflow was handled", file=sys.stderr)
     return 1
   return 0

@@ -49,11 +49,13 @@ def main(argv=None):
   micro_x, micro_y = jnp.split(x, k), jnp.split(y, k)
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {
-      "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
-      "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
+    "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
+    "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
   }
-  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**12,
-                                          growth_interval=10), every_k_schedule=k)
+  tx = jls.multi_steps(
+    jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**12, growth_interval=10),
+    every_k_schedule=k,
+  )
   opt_state = tx.init(params)
 
   @jax.jit
@@ -78,24 +80,27 @@ def main(argv=None):
       scales_seen.append(float(jls.get_scale_state(opt_state).scale))
     m = jls.metrics(opt_state)
     if step == 3:  # the whole accumulated step was skipped
-      same = all(bool(jnp.all(a == b)) for a, b in zip(jax.tree_util.tree_leaves(params),
-                                                        jax.tree_util.tree_leaves(before)))
+      same = all(
+        bool(jnp.all(a == b))
+        for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(before))
+      )
       if not (same and bool(m["last_step_skipped"])):
         print("FAILED: the overflowing accumulated step was applied", file=sys.stderr)
         return 1
     if step % max(1, steps // 10) == 0 or step == steps - 1:
-      print(f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>8.0f}  "
-            f"skipped {int(m['skipped_steps'])}")
+      print(
+        f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>8.0f}  "
+        f"skipped {int(m['skipped_steps'])}"
+      )
     if first is None:
       first = float(loss_fn(before, x, y))
 
   final = float(loss_fn(params, x, y))
   skipped = int(m["skipped_steps"])
   # The scale only changes at accumulated-step boundaries.
-  constant = all(len(set(scales_seen[j:j + k - 1])) == 1 for j in range(0, len(scales_seen), k))
+  constant = all(len(set(scales_seen[j : j + k - 1])) == 1 for j in range(0, len(scales_seen), k))
   print(f"final loss {final:.5f} (initial {first:.5f}), skipped accumulated steps {skipped}")
-  if not (final < 0.5 * first and skipped >= 1 and not bool(m["last_step_skipped"])
-          and constant):
+  if not (final < 0.5 * first and skipped >= 1 and not bool(m["last_step_skipped"]) and constant):
     print("FAILED: no recovery after the overflow, or the loss did not go down", file=sys.stderr)
     return 1
   return 0

@@ -67,8 +67,11 @@ def train(steps):
   mesh = jax.make_mesh((jax.device_count(),), ("data",))  # all devices of all processes
   batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  print(f"[process {me}] {jax.local_device_count()} of {jax.device_count()} devices "
-        f"({jax.devices()[0].platform}), {jax.process_count()} processes", flush=True)
+  print(
+    f"[process {me}] {jax.local_device_count()} of {jax.device_count()} devices "
+    f"({jax.devices()[0].platform}), {jax.process_count()} processes",
+    flush=True,
+  )
 
   x, y = make_data(n=32 * jax.device_count())
   # Each process reads its own slice of the batch; together they form one global array.
@@ -80,10 +83,13 @@ def train(steps):
   with jax.set_mesh(mesh):
     # The same initial params everywhere (same key), placed replicated on the mesh.
     k1, k2 = jax.random.split(jax.random.key(0))
-    params = jax.device_put({
+    params = jax.device_put(
+      {
         "w1": jax.random.normal(k1, (16, 32), jnp.float32) / 4.0,
         "w2": jax.random.normal(k2, (32, 1), jnp.float32) / np.sqrt(32.0),
-    }, replicated)
+      },
+      replicated,
+    )
     # A high initial scale, so that the first steps overflow float16 and are skipped.
     tx = jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**24, growth_interval=20)
     # Eager init: the scale state is placed like the params (global, replicated),
@@ -107,20 +113,27 @@ def train(steps):
       if first is None and not bool(m["last_step_skipped"]):
         first = float(loss)
       if step % max(1, steps // 6) == 0 or step == steps - 1:
-        print(f"[process {me}] step {step:3d}  loss {float(loss):.5f}  "
-              f"scale {float(m['scale']):>10.0f}  skipped {int(m['skipped_steps'])}", flush=True)
+        print(
+          f"[process {me}] step {step:3d}  loss {float(loss):.5f}  "
+          f"scale {float(m['scale']):>10.0f}  skipped {int(m['skipped_steps'])}",
+          flush=True,
+        )
       # Between steps, every process may stop a diverged run; all of them see the same
       # counters, so all stop at the same step.
       jls.check_skips(opt_state, max_consecutive_skips=50)
 
     final = float(jax.jit(loss_fn)(params, x, y))
   skipped = int(m["skipped_steps"])
-  print(f"[process {me}] final loss {final:.5f} (first applied step {first:.5f}), "
-        f"scale {float(m['scale']):.0f}, skipped steps {skipped}", flush=True)
+  print(
+    f"[process {me}] final loss {final:.5f} (first applied step {first:.5f}), "
+    f"scale {float(m['scale']):.0f}, skipped steps {skipped}",
+    flush=True,
+  )
   ok = first is not None and final < 0.5 * first and skipped > 0
   if not ok:
-    print(f"[process {me}] FAILED: the loss did not go down, or no overflow was handled",
-          flush=True)
+    print(
+      f"[process {me}] FAILED: the loss did not go down, or no overflow was handled", flush=True
+    )
   return ok
 
 
@@ -133,17 +146,33 @@ def _free_port():
 def launch_local(argv, timeout=300):
   """Starts this script as LOCAL_PROCESSES workers on 127.0.0.1 and relays their output."""
   port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+  )
   procs, outs = [], []
   try:
     for i in range(LOCAL_PROCESSES):
       out = tempfile.TemporaryFile(mode="w+")
       outs.append(out)
-      procs.append(subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
-           "--coordinator", f"127.0.0.1:{port}"],
-          stdout=out, stderr=subprocess.STDOUT, env=env, text=True))
+      procs.append(
+        subprocess.Popen(
+          [
+            sys.executable,
+            os.path.abspath(__file__),
+            *argv,
+            "--process-id",
+            str(i),
+            "--coordinator",
+            f"127.0.0.1:{port}",
+          ],
+          stdout=out,
+          stderr=subprocess.STDOUT,
+          env=env,
+          text=True,
+        )
+      )
     # Wait for all; if one fails, the others would wait for it in a collective: stop them.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -172,11 +201,15 @@ def launch_local(argv, timeout=300):
 def main(argv=None):
   argv = sys.argv[1:] if argv is None else argv
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--smoke", action="store_true",
-                      help="2 local processes x 4 CPU devices, a few seconds")
-  parser.add_argument("--cluster", action="store_true",
-                      help="one process of a cluster job: jax.distributed.initialize() "
-                           "reads the job from the environment (SLURM, Kubernetes, ...)")
+  parser.add_argument(
+    "--smoke", action="store_true", help="2 local processes x 4 CPU devices, a few seconds"
+  )
+  parser.add_argument(
+    "--cluster",
+    action="store_true",
+    help="one process of a cluster job: jax.distributed.initialize() "
+    "reads the job from the environment (SLURM, Kubernetes, ...)",
+  )
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -190,9 +223,12 @@ def main(argv=None):
   else:  # one local worker
     # CPU only: cross-process collectives through gloo (GPUs use NCCL by themselves).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, num_processes=LOCAL_PROCESSES,
-                               process_id=args.process_id,
-                               coordinator_bind_address=args.coordinator)  # 127.0.0.1 only
+    jax.distributed.initialize(
+      args.coordinator,
+      num_processes=LOCAL_PROCESSES,
+      process_id=args.process_id,
+      coordinator_bind_address=args.coordinator,
+    )  # 127.0.0.1 only
   try:
     ok = train(steps)
   finally:

@@ -29,10 +29,10 @@ def make_data(n=256, d=16, seed=0):
 def init_params(key, d=16, hidden=32):
   k1, k2 = jax.random.split(key)
   return {
-      "w1": jax.random.normal(k1, (d, hidden), jnp.float32) / np.sqrt(d),
-      "b1": jnp.zeros(hidden, jnp.float32),
-      "w2": jax.random.normal(k2, (hidden, 1), jnp.float32) / np.sqrt(hidden),
-      "b2": jnp.zeros(1, jnp.float32),
+    "w1": jax.random.normal(k1, (d, hidden), jnp.float32) / np.sqrt(d),
+    "b1": jnp.zeros(hidden, jnp.float32),
+    "w2": jax.random.normal(k2, (hidden, 1), jnp.float32) / np.sqrt(hidden),
+    "b2": jnp.zeros(1, jnp.float32),
   }
 
 
@@ -71,8 +71,10 @@ def main(argv=None):
   for step in range(steps):
     params, opt_state, loss, m = train_step(params, opt_state, x, y)
     if step % max(1, steps // 10) == 0 or step == steps - 1:
-      print(f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
-            f"skipped {int(m['skipped_steps'])}")
+      print(
+        f"step {step:4d}  loss {float(loss):.5f}  scale {float(m['scale']):>10.0f}  "
+        f"skipped {int(m['skipped_steps'])}"
+      )
     if first is None and not bool(m["last_step_skipped"]):
       first = float(loss)
 
@@ -80,8 +82,10 @@ def main(argv=None):
     first = float("nan")
   final = float(loss_fn(params, x, y))
   finite = all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree_util.tree_leaves(params))
-  print(f"final loss {final:.5f} (first applied step {first:.5f}), "
-        f"skipped steps {int(m['skipped_steps'])}")
+  print(
+    f"final loss {final:.5f} (first applied step {first:.5f}), "
+    f"skipped steps {int(m['skipped_steps'])}"
+  )
   if not (finite and final < 0.5 * first and int(m["skipped_steps"]) > 0):
     print("FAILED: the loss did not go down, or no overflow was handled", file=sys.stderr)
     return 1

@@ -40,7 +40,8 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, Sequence
+from typing import Any
+from typing import Sequence
 
 import flax.linen as nn
 import jax
@@ -128,8 +129,7 @@ class CharLM(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(self.vocab, self.d_model, param_dtype=jnp.float32, name="embed")(tokens)
-    pos = self.param("pos", nn.initializers.normal(0.02), (self.seq_len, self.d_model),
-                     jnp.float32)
+    pos = self.param("pos", nn.initializers.normal(0.02), (self.seq_len, self.d_model), jnp.float32)
     x = x + pos[: tokens.shape[1]]
     for i in range(self.n_layers):
       x = Block(self.n_heads, self.dtype, name=f"layers_{i}")(x)
@@ -141,8 +141,11 @@ class CharLM(nn.Module):
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="a tiny model, a few steps (seconds)")
-  p.add_argument("--compare", action="store_true",
-                 help="train float32, float16 and float16 + scaling from the same start")
+  p.add_argument(
+    "--compare",
+    action="store_true",
+    help="train float32, float16 and float16 + scaling from the same start",
+  )
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--log-every", type=int, default=50)
   p.add_argument("--seed", type=int, default=0)
@@ -178,16 +181,18 @@ def make_functions(args, train_tokens, dtype, scaled):
   model = CharLM(256, args.d_model, args.layers, args.heads, args.seq_len, dtype)
   adam = optax.adam(args.lr)
   if scaled:
-    tx = jls.dynamic_loss_scale(adam, init_scale=args.init_scale,
-                                growth_interval=args.growth_interval)
+    tx = jls.dynamic_loss_scale(
+      adam, init_scale=args.init_scale, growth_interval=args.growth_interval
+    )
   else:
     tx = jls.no_loss_scale(adam)  # scale 1, the same state layout
   data = jnp.asarray(train_tokens)
   batch_key = jax.random.key(args.seed + 1000)
 
   def get_batch(step):
-    starts = jax.random.randint(jax.random.fold_in(batch_key, step), (args.batch_size,), 0,
-                                data.shape[0] - args.seq_len - 1)
+    starts = jax.random.randint(
+      jax.random.fold_in(batch_key, step), (args.batch_size,), 0, data.shape[0] - args.seq_len - 1
+    )
     idx = starts[:, None] + jnp.arange(args.seq_len + 1)[None, :]
     seq = data[idx]
     return seq[:, :-1], seq[:, 1:]
@@ -210,8 +215,12 @@ def make_functions(args, train_tokens, dtype, scaled):
     diag = jls.grad_diagnostics(grads, scale_state)  # before the optimizer
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    logs = {"loss": loss, "scale": scale_state.scale,
-            "skipped": jls.get_scale_state(opt_state).consecutive_skips > 0, **diag}
+    logs = {
+      "loss": loss,
+      "scale": scale_state.scale,
+      "skipped": jls.get_scale_state(opt_state).consecutive_skips > 0,
+      **diag,
+    }
     return (params, opt_state), logs
 
   @jax.jit
@@ -235,8 +244,7 @@ def check_at(loss_fn, get_batch, model, params, step, scale):
 
 
 def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
-  init, train_chunk, loss_fn, get_batch, model = make_functions(
-      args, train_tokens, dtype, scaled)
+  init, train_chunk, loss_fn, get_batch, model = make_functions(args, train_tokens, dtype, scaled)
   params, opt_state = init(jax.random.key(args.seed))
   names = jls.grad_leaf_names(params)
   check = jax.jit(lambda p, i, s: check_at(loss_fn, get_batch, model, p, i, s))
@@ -248,13 +256,15 @@ def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
     worst = int(np.argmin(logs["min_headroom"]))
     leaf = names[int(logs["min_headroom_leaf"][worst])] if names else "-"
     if verbose:
-      print(f"[{label}] steps {lo:4d}-{hi - 1:4d}  loss {logs['loss'][-1]:.4f}  "
-            f"scale 2^{math.log2(logs['scale'][-1]):.0f}  skipped {int(logs['skipped'].sum())}  "
-            f"min headroom {logs['min_headroom'][worst]:.1f} ({leaf})")
+      print(
+        f"[{label}] steps {lo:4d}-{hi - 1:4d}  loss {logs['loss'][-1]:.4f}  "
+        f"scale 2^{math.log2(logs['scale'][-1]):.0f}  skipped {int(logs['skipped'].sum())}  "
+        f"min headroom {logs['min_headroom'][worst]:.1f} ({leaf})"
+      )
 
   pending = None
   t0 = time.perf_counter()
-  losses, skipped_total = [], 0
+  losses, _skipped_total = [], 0
   for lo in range(0, args.steps, args.log_every):
     hi = min(args.steps, lo + args.log_every)
     if half and lo % args.log_every == 0:
@@ -275,17 +285,21 @@ def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
   val = jnp.asarray(val_tokens)
   n = (val.shape[0] - 1) // args.seq_len
   vx = val[: n * args.seq_len].reshape(n, args.seq_len)[:64]
-  vy = val[1: n * args.seq_len + 1].reshape(n, args.seq_len)[:64]
+  vy = val[1 : n * args.seq_len + 1].reshape(n, args.seq_len)[:64]
   val_loss = float(jax.jit(lambda p: loss_fn({"params": p}, (vx, vy), jnp.float32))(params))
   result = {
-      "run": label, "final_train_loss": float(np.mean(losses[-10:])), "val_loss": val_loss,
-      "skipped_steps": int(state.skipped_steps), "scale_final": float(state.scale),
-      "seconds": seconds,
+    "run": label,
+    "final_train_loss": float(np.mean(losses[-10:])),
+    "val_loss": val_loss,
+    "skipped_steps": int(state.skipped_steps),
+    "scale_final": float(state.scale),
+    "seconds": seconds,
   }
   if probes:
     # The run's own backward: scale 1 without scaling, its scale with.
     def shares(prefix):
       return [p.total(scaled=True, prefix=prefix) for p in probes if bool(p.finite_scaled)]
+
     act = [p.total(scaled=True, prefix="perturbations") for p in probes if bool(p.finite_scaled)]
     par = shares("params")
     result["underflow_activations_mean"] = float(np.mean(act)) if act else None
@@ -293,26 +307,34 @@ def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
     result["underflow_probes"] = len(act)
     ok = [p.fractions(scaled=True) for p in probes if bool(p.finite_scaled)]
     result["underflow_by_leaf_mean"] = (
-        {k: float(np.mean([f[k] for f in ok])) for k in ok[0]} if ok else {})
+      {k: float(np.mean([f[k] for f in ok])) for k in ok[0]} if ok else {}
+    )
     result["verdict_at_end"] = check(params, jnp.int32(args.steps), jnp.float32(2.0**16)).verdict()
   return result
 
 
-def main(argv: Sequence[str] | None = None) -> Dict[str, Any]:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   train_tokens, val_tokens, sizes = load_corpus()
-  print("corpus: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
-        + f" ({sum(sizes.values()):,} bytes; {len(train_tokens):,} train tokens)")
+  print(
+    "corpus: "
+    + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
+    + f" ({sum(sizes.values()):,} bytes; {len(train_tokens):,} train tokens)"
+  )
   runs = [("float16 + scaling", jnp.float16, True)]
   if args.compare:
     runs = [("float32", jnp.float32, False), ("float16", jnp.float16, False)] + runs
   results = [train(args, train_tokens, val_tokens, dt, sc, label) for label, dt, sc in runs]
   for r in results:
-    line = (f"{r['run']:>17}: final loss {r['final_train_loss']:.4f}  val loss {r['val_loss']:.4f}"
-            f"  scale 2^{math.log2(r['scale_final']):.0f}  skipped {r['skipped_steps']}")
+    line = (
+      f"{r['run']:>17}: final loss {r['final_train_loss']:.4f}  val loss {r['val_loss']:.4f}"
+      f"  scale 2^{math.log2(r['scale_final']):.0f}  skipped {r['skipped_steps']}"
+    )
     if r.get("underflow_activations_mean") is not None:
-      line += (f"  underflow: activations {r['underflow_activations_mean']:.3%}, "
-               f"params {r['underflow_params_mean']:.3%}")
+      line += (
+        f"  underflow: activations {r['underflow_activations_mean']:.3%}, "
+        f"params {r['underflow_params_mean']:.3%}"
+      )
     print(line)
   print(results[-1].get("verdict_at_end", ""))
   report = {"config": vars(args), "corpus": sizes, "runs": results}

@@ -20,44 +20,44 @@ from jax_lossscale._signals import LossScaleWarning as LossScaleWarning
 from jax_lossscale._state import DynamicScaleConfig as DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState as DynamicScaleState
 from jax_lossscale._state import get_scale_state as get_scale_state
+from jax_lossscale._torch_interop import from_torch_state_dict as from_torch_state_dict
+from jax_lossscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 from jax_lossscale._transform import LossScaleState as LossScaleState
 from jax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
 from jax_lossscale._transform import inner_state as inner_state
 from jax_lossscale._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._transform import scale_loss as scale_loss
 from jax_lossscale._transform import static_loss_scale as static_loss_scale
-from jax_lossscale._torch_interop import from_torch_state_dict as from_torch_state_dict
-from jax_lossscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "DynamicScaleConfig",
-    "DynamicScaleState",
-    "LossScaleError",
-    "LossScaleState",
-    "LossScaleWarning",
-    "UnderflowReport",
-    "all_finite",
-    "check_scale_config",
-    "check_skips",
-    "check_underflow",
-    "dynamic_loss_scale",
-    "fp16_roundtrip",
-    "from_torch_state_dict",
-    "get_scale_state",
-    "grad_diagnostics",
-    "grad_leaf_names",
-    "inner_state",
-    "metrics",
-    "multi_steps",
-    "no_loss_scale",
-    "nonfinite_leaves",
-    "scale_config_metadata",
-    "scale_loss",
-    "scale_product",
-    "static_loss_scale",
-    "to_torch_state_dict",
-    "unscale_and_check",
-    "update_scale",
+  "DynamicScaleConfig",
+  "DynamicScaleState",
+  "LossScaleError",
+  "LossScaleState",
+  "LossScaleWarning",
+  "UnderflowReport",
+  "all_finite",
+  "check_scale_config",
+  "check_skips",
+  "check_underflow",
+  "dynamic_loss_scale",
+  "fp16_roundtrip",
+  "from_torch_state_dict",
+  "get_scale_state",
+  "grad_diagnostics",
+  "grad_leaf_names",
+  "inner_state",
+  "metrics",
+  "multi_steps",
+  "no_loss_scale",
+  "nonfinite_leaves",
+  "scale_config_metadata",
+  "scale_loss",
+  "scale_product",
+  "static_loss_scale",
+  "to_torch_state_dict",
+  "unscale_and_check",
+  "update_scale",
 )

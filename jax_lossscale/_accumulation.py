@@ -20,7 +20,7 @@ class MultiStepsState(optax.MultiStepsState):
 
 
 def multi_steps(
-    inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
+  inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.MultiSteps`` whose accumulator restarts from exact zeros.
 
@@ -64,9 +64,7 @@ def multi_steps(
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = ms.update(updates, optax.MultiStepsState(*state), params, **extra_args)
     fresh = state.mini_step == 0
-    acc = jax.tree_util.tree_map(
-        lambda a: jnp.where(fresh, jnp.zeros_like(a), a), state.acc_grads
-    )
+    acc = jax.tree_util.tree_map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), state.acc_grads)
     return updates, MultiStepsState(*state._replace(acc_grads=acc))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -13,15 +13,16 @@ different config than the one the checkpoint was written with.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable
+from typing import Any
+from typing import Iterable
 
-
-from jax_lossscale._state import DynamicScaleConfig, scale_states
+from jax_lossscale._state import DynamicScaleConfig
+from jax_lossscale._state import scale_states
 
 _FORMAT = 1
 
 
-def scale_config_metadata(tree: Any) -> Dict[str, Any]:
+def scale_config_metadata(tree: Any) -> dict[str, Any]:
   """The static configs of every :class:`DynamicScaleState` in ``tree``, as JSON.
 
   Args:
@@ -43,18 +44,14 @@ def scale_config_metadata(tree: Any) -> Dict[str, Any]:
   """
   states = scale_states(tree)
   if not states:
-    raise ValueError(
-        f"No DynamicScaleState found in the given tree ({type(tree).__name__})."
-    )
+    raise ValueError(f"No DynamicScaleState found in the given tree ({type(tree).__name__}).")
   return {
-      "format": _FORMAT,
-      "configs": {path: dataclasses.asdict(s.config) for path, s in states},
+    "format": _FORMAT,
+    "configs": {path: dataclasses.asdict(s.config) for path, s in states},
   }
 
 
-def check_scale_config(
-    tree: Any, metadata: Dict[str, Any], *, ignore: Iterable[str] = ()
-) -> None:
+def check_scale_config(tree: Any, metadata: dict[str, Any], *, ignore: Iterable[str] = ()) -> None:
   """Checks that ``tree``'s scaler configs equal those recorded in ``metadata``.
 
   Call it with the restore target (or the restored state) and the dict that
@@ -83,8 +80,8 @@ def check_scale_config(
   """
   if not isinstance(metadata, dict) or metadata.get("format") != _FORMAT:
     raise ValueError(
-        "metadata must be the dict returned by scale_config_metadata "
-        f"(format {_FORMAT}), got {metadata!r}."
+      "metadata must be the dict returned by scale_config_metadata "
+      f"(format {_FORMAT}), got {metadata!r}."
     )
   ignore = set(ignore)
   fields = {f.name for f in dataclasses.fields(DynamicScaleConfig)}
@@ -95,8 +92,8 @@ def check_scale_config(
   current = dict(scale_states(tree))
   if set(saved) != set(current):
     raise ValueError(
-        "The scale states in the tree do not match the checkpoint's: saved at "
-        f"{sorted(saved)}, found at {sorted(current)}."
+      "The scale states in the tree do not match the checkpoint's: saved at "
+      f"{sorted(saved)}, found at {sorted(current)}."
     )
   for path, state in current.items():
     now = dataclasses.asdict(state.config)
@@ -106,7 +103,7 @@ def check_scale_config(
       was = saved[path][name]
       if was != now[name]:
         raise ValueError(
-            f"Loss-scale config mismatch at {path!r}: {name} was {was!r} when the "
-            f"checkpoint was saved, is {now[name]!r} now. Pass "
-            f"ignore=({name!r},) if the change is deliberate."
+          f"Loss-scale config mismatch at {path!r}: {name} was {was!r} when the "
+          f"checkpoint was saved, is {now[name]!r} now. Pass "
+          f"ignore=({name!r},) if the change is deliberate."
         )

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._numerics import compute_dtype, is_float, unscale_and_check
+from jax_lossscale._numerics import compute_dtype
+from jax_lossscale._numerics import is_float
+from jax_lossscale._numerics import unscale_and_check
 
 FLOAT16_MAX = np.float32(65504.0)
 # Smallest normal float16 (2**-14 ~ 6.1e-5): magnitudes below it are float16
@@ -35,7 +39,7 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
-def _named_float_leaves(tree: Any) -> List[Tuple[str, Any]]:
+def _named_float_leaves(tree: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` for each floating-point leaf, in flattening order."""
   out, seen = [], set()
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -49,7 +53,7 @@ def _named_float_leaves(tree: Any) -> List[Tuple[str, Any]]:
   return out
 
 
-def grad_leaf_names(grads: Any) -> List[str]:
+def grad_leaf_names(grads: Any) -> list[str]:
   """Names of the floating-point leaves of ``grads``, as :func:`grad_diagnostics` keys them.
 
   A host-side helper: ``grad_leaf_names(grads)[int(d["min_headroom_leaf"])]``
@@ -73,7 +77,7 @@ def grad_leaf_names(grads: Any) -> List[str]:
   return [name for name, _ in _named_float_leaves(grads)]
 
 
-def _leaf_reduction(g: jax.Array, dt) -> Tuple[jax.Array, jax.Array, jax.Array]:
+def _leaf_reduction(g: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(max finite |g|, non-finite count, count below 2**-14)`` in one variadic reduce.
 
   One ``lax.reduce`` over three operands is a single loop over the leaf.
@@ -85,9 +89,9 @@ def _leaf_reduction(g: jax.Array, dt) -> Tuple[jax.Array, jax.Array, jax.Array]:
   finite = jnp.isfinite(a)
   zero = np.zeros([], dt)
   operands = (
-      jnp.where(finite, a, zero),
-      jnp.logical_not(finite).astype(jnp.int32),
-      (a < FLOAT16_TINY.astype(dt)).astype(jnp.int32),
+    jnp.where(finite, a, zero),
+    jnp.logical_not(finite).astype(jnp.int32),
+    (a < FLOAT16_TINY.astype(dt)).astype(jnp.int32),
   )
 
   def combine(x, y):
@@ -97,7 +101,7 @@ def _leaf_reduction(g: jax.Array, dt) -> Tuple[jax.Array, jax.Array, jax.Array]:
   return jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
 
 
-def grad_diagnostics(scaled_grads: Any, scale: Any) -> Dict[str, jax.Array]:
+def grad_diagnostics(scaled_grads: Any, scale: Any) -> dict[str, jax.Array]:
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
@@ -150,16 +154,14 @@ def grad_diagnostics(scaled_grads: Any, scale: Any) -> Dict[str, jax.Array]:
     'b'
   """
   scale = _scale_of(scale)
-  out: Dict[str, jax.Array] = {}
+  out: dict[str, jax.Array] = {}
   headrooms, nonfinite_total = [], jnp.zeros([], jnp.int32)
   for name, g in _named_float_leaves(scaled_grads):
     g = jnp.asarray(g)
     dt = compute_dtype(g.dtype)
     largest, nonfinite, small = _leaf_reduction(g, dt)
     largest = largest.astype(jnp.float32)
-    headroom = jnp.where(
-        nonfinite > 0, np.float32(-np.inf), jnp.log2(FLOAT16_MAX / largest)
-    )
+    headroom = jnp.where(nonfinite > 0, np.float32(-np.inf), jnp.log2(FLOAT16_MAX / largest))
     size = max(int(np.prod(g.shape)), 1)
     out[f"{name}/max_abs"] = largest / scale
     out[f"{name}/nonfinite"] = nonfinite
@@ -194,14 +196,14 @@ class UnderflowReport(NamedTuple):
     scale: float32, the loss scale of the scaled backward.
   """
 
-  nonzero: Dict[str, jax.Array]
-  lost_unscaled: Dict[str, jax.Array]
-  lost_scaled: Dict[str, jax.Array]
+  nonzero: dict[str, jax.Array]
+  lost_unscaled: dict[str, jax.Array]
+  lost_scaled: dict[str, jax.Array]
   finite_unscaled: jax.Array
   finite_scaled: jax.Array
   scale: jax.Array
 
-  def fractions(self, scaled: bool = False) -> Dict[str, float]:
+  def fractions(self, scaled: bool = False) -> dict[str, float]:
     """Per leaf, the share of float32-non-zero elements flushed to 0 (host floats)."""
     lost = self.lost_scaled if scaled else self.lost_unscaled
     return {k: int(lost[k]) / max(int(self.nonzero[k]), 1) for k in self.nonzero}
@@ -220,19 +222,25 @@ class UnderflowReport(NamedTuple):
   def verdict(self, threshold: float = 0.01) -> str:
     """One line: does this model need loss scaling at these params?"""
     if not bool(self.finite_unscaled):
-      return ("float16 overflows even without scaling (inf/NaN at scale 1): keep the "
-              "overflowing ops in float32; loss scaling cannot help with that.")
+      return (
+        "float16 overflows even without scaling (inf/NaN at scale 1): keep the "
+        "overflowing ops in float32; loss scaling cannot help with that."
+      )
     fr = self.fractions()
     worst = max(fr, key=fr.get) if fr else "-"
     scale = float(self.scale)
     exp = math.log2(scale) if scale > 0 else float("nan")
     scale_txt = f"2^{exp:.0f}" if exp == round(exp) else f"{scale:g}"
-    with_scale = (f"{self.total(scaled=True):.2%} at scale {scale_txt}"
-                  if bool(self.finite_scaled) else
-                  f"scale {scale_txt} overflows (the dynamic scaler backs off from it)")
-    head = (f"float16 without loss scaling flushes {self.total():.2%} of the non-zero "
-            f"gradient elements to 0 (worst leaf {worst}: {fr.get(worst, 0.0):.2%}); "
-            f"{with_scale}")
+    with_scale = (
+      f"{self.total(scaled=True):.2%} at scale {scale_txt}"
+      if bool(self.finite_scaled)
+      else f"scale {scale_txt} overflows (the dynamic scaler backs off from it)"
+    )
+    head = (
+      f"float16 without loss scaling flushes {self.total():.2%} of the non-zero "
+      f"gradient elements to 0 (worst leaf {worst}: {fr.get(worst, 0.0):.2%}); "
+      f"{with_scale}"
+    )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
     return f"does not need loss scaling here (threshold {threshold:.2%}): {head}."
@@ -248,12 +256,12 @@ class UnderflowReport(NamedTuple):
 
 
 def check_underflow(
-    loss_fn: Callable[[Any, Any, Any], Any],
-    params: Any,
-    batch: Any,
-    *,
-    scale: Any = 2.0**16,
-    half_dtype: Any = jnp.float16,
+  loss_fn: Callable[[Any, Any, Any], Any],
+  params: Any,
+  batch: Any,
+  *,
+  scale: Any = 2.0**16,
+  half_dtype: Any = jnp.float16,
 ) -> UnderflowReport:
   """A one-off check of one batch: does float16 flush this model's gradients to zero?
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,7 +17,7 @@ class LossScaleError(RuntimeError):
 LossScaleError.__module__ = "jax_lossscale"
 
 
-def _check_limit(name: str, value: Any) -> Optional[int]:
+def _check_limit(name: str, value: Any) -> int | None:
   if value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -26,10 +26,10 @@ def _check_limit(name: str, value: Any) -> Optional[int]:
 
 
 def check_skips(
-    state: Any,
-    *,
-    max_consecutive_skips: Optional[int] = None,
-    max_skipped_steps: Optional[int] = None,
+  state: Any,
+  *,
+  max_consecutive_skips: int | None = None,
+  max_skipped_steps: int | None = None,
 ) -> int:
   """Raises :class:`LossScaleError` if the scaler skipped more steps than allowed.
 
@@ -82,8 +82,8 @@ def check_skips(
   leaves = (scale_state.consecutive_skips, scale_state.skipped_steps, scale_state.scale)
   if any(isinstance(x, jax.core.Tracer) for x in leaves):
     raise ValueError(
-        "check_skips reads the counters on the host; call it outside jit/vmap, "
-        "on the state a step returned."
+      "check_skips reads the counters on the host; call it outside jit/vmap, "
+      "on the state a step returned."
     )
   consecutive, total, scale = jax.device_get(leaves)
   consecutive = int(np.max(consecutive))
@@ -91,18 +91,18 @@ def check_skips(
   scale_text = np.array2string(np.asarray(scale, np.float32), separator=", ")
   floor = str(np.float32(scale_state.config.min_scale))
   hint = (
-      "Check the loss and the parameters for NaN/inf (a diverged model "
-      "overflows at any scale), or lower init_scale."
+    "Check the loss and the parameters for NaN/inf (a diverged model "
+    "overflows at any scale), or lower init_scale."
   )
   if max_consecutive is not None and consecutive > max_consecutive:
     raise LossScaleError(
-        f"{consecutive} consecutive steps skipped (limit {max_consecutive}): the "
-        "gradients were non-finite on every step; loss scale is now "
-        f"{scale_text} (min_scale {floor}). {hint}"
+      f"{consecutive} consecutive steps skipped (limit {max_consecutive}): the "
+      "gradients were non-finite on every step; loss scale is now "
+      f"{scale_text} (min_scale {floor}). {hint}"
     )
   if max_total is not None and total > max_total:
     raise LossScaleError(
-        f"{total} steps skipped in total (limit {max_total}); loss scale is now "
-        f"{scale_text} (min_scale {floor}), {consecutive} consecutive skips. {hint}"
+      f"{total} steps skipped in total (limit {max_total}); loss scale is now "
+      f"{scale_text} (min_scale {floor}), {consecutive} consecutive skips. {hint}"
     )
   return consecutive

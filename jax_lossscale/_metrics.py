@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from jax_lossscale._numerics import is_float
 from jax_lossscale._state import get_scale_state
 
 
-def metrics(state: Any) -> Dict[str, jax.Array]:
+def metrics(state: Any) -> dict[str, jax.Array]:
   """The loss scaler's state as a flat dict of scalars, for a logger.
 
   Works on anything :func:`get_scale_state` finds a scaler in: an Optax
@@ -46,11 +46,11 @@ def metrics(state: Any) -> Dict[str, jax.Array]:
   # jnp.asarray also reads nnx.Variable leaves (an nnx.Optimizer's opt_state).
   consecutive = jnp.asarray(s.consecutive_skips, jnp.int32)
   return {
-      "scale": jnp.asarray(s.scale, jnp.float32),
-      "growth_tracker": jnp.asarray(s.growth_tracker, jnp.int32),
-      "last_step_skipped": consecutive > 0,
-      "skipped_steps": jnp.asarray(s.skipped_steps, jnp.int32),
-      "consecutive_skips": consecutive,
+    "scale": jnp.asarray(s.scale, jnp.float32),
+    "growth_tracker": jnp.asarray(s.growth_tracker, jnp.int32),
+    "last_step_skipped": consecutive > 0,
+    "skipped_steps": jnp.asarray(s.skipped_steps, jnp.int32),
+    "consecutive_skips": consecutive,
   }
 
 

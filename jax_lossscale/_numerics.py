@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jax_lossscale._product import exact_reciprocal
 # flushes to zero; such scales are unscaled in two exact steps instead.
 _TWO_STEP_THRESHOLD = np.float32(2.0**126)
 _TWO_STEP_SHIFT = np.float32(2.0**64)
+
 
 def is_float(x: Any) -> bool:
   """Whether ``x`` (an array, a scalar or a Python number) has a floating dtype."""
@@ -44,7 +45,7 @@ def promote_floats(tree: Any) -> Any:
   return jax.tree_util.tree_map(promote, tree)
 
 
-def reciprocal(scale: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   """The unscaling factors ``(inv, shift)``: ``g * inv / shift == g / scale``.
 
   ``inv`` is the correctly rounded float32 reciprocal (torch's
@@ -102,7 +103,7 @@ def combine_flags(flags) -> jax.Array:
   return jnp.sqrt(bad) == np.float32(0)
 
 
-def unscale_and_check(grads: Any, scale: Any) -> Tuple[Any, jax.Array]:
+def unscale_and_check(grads: Any, scale: Any) -> tuple[Any, jax.Array]:
   """Unscales a gradient pytree and checks it for inf/NaN in one pass.
 
   Each floating-point leaf ``g`` becomes ``g * float32(1/scale)`` computed in

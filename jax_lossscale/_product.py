@@ -155,7 +155,7 @@ def scale_product(scale: jax.Array, factor: float) -> jax.Array:
 _TINY = float(np.finfo(np.float32).tiny)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smallest_normal_result(factor: float) -> np.float32:
   """The smallest positive float32 ``s`` with ``float32(float64(s) * factor) >= 2**-126``."""
   lo, hi = 1, 0x7F7FFFFF  # bit patterns of positive finite float32s

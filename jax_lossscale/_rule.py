@@ -61,21 +61,18 @@ def update_scale(state: DynamicScaleState, grads_finite: Any) -> DynamicScaleSta
     8.0 0
   """
   if not isinstance(state, DynamicScaleState):
-    raise ValueError(
-        f"state must be a DynamicScaleState, got {type(state).__name__}."
-    )
+    raise ValueError(f"state must be a DynamicScaleState, got {type(state).__name__}.")
   c = state.config
   finite = jnp.asarray(grads_finite)
   if finite.dtype != jnp.bool_ or finite.shape != ():
     raise ValueError(
-        "grads_finite must be a boolean scalar, got "
-        f"dtype={finite.dtype}, shape={finite.shape}."
+      f"grads_finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
     )
   skipped = _safe_increment(state.skipped_steps)
   consecutive = _safe_increment(state.consecutive_skips)
   new = state.replace(
-      skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
-      consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),
+    skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
+    consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),
   )
   if not c.dynamic:
     return new
@@ -97,7 +94,7 @@ def update_scale(state: DynamicScaleState, grads_finite: Any) -> DynamicScaleSta
   overflow_scale = jnp.where(hysteresis <= 0, backed, scale)
 
   return new.replace(
-      scale=jnp.where(finite, clean_scale, overflow_scale),
-      growth_tracker=jnp.where(finite, clean_tracker, jnp.zeros_like(tracker)),
-      hysteresis_tracker=jnp.where(finite, clean_hysteresis, hysteresis),
+    scale=jnp.where(finite, clean_scale, overflow_scale),
+    growth_tracker=jnp.where(finite, clean_tracker, jnp.zeros_like(tracker)),
+    hysteresis_tracker=jnp.where(finite, clean_hysteresis, hysteresis),
   )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 
 def _mesh_of(params: Any):
@@ -48,7 +50,7 @@ def place_like_params(tree: Any, params: Any) -> Any:
   return jax.tree_util.tree_map(place, tree)
 
 
-def across_axis(reduce: Callable[[Any, Any], Any], x: Any, axis_name: Optional[Any]) -> Any:
+def across_axis(reduce: Callable[[Any, Any], Any], x: Any, axis_name: Any | None) -> Any:
   """``reduce(x, axis_name)`` (a ``lax.psum``/``pmean``), or ``x`` when ``axis_name`` is ``None``.
 
   Raises:
@@ -61,15 +63,15 @@ def across_axis(reduce: Callable[[Any, Any], Any], x: Any, axis_name: Optional[A
     return reduce(x, axis_name)
   except NameError as e:
     raise ValueError(
-        f"axis_name={axis_name!r} is not a bound axis here. axis_name is for code "
-        "that runs per device inside jax.shard_map or jax.pmap over that axis, so "
-        "that every device takes the same skip decision. Under plain jax.jit with "
-        "sharded arrays, leave axis_name=None: the check already sees the whole "
-        "global gradients."
+      f"axis_name={axis_name!r} is not a bound axis here. axis_name is for code "
+      "that runs per device inside jax.shard_map or jax.pmap over that axis, so "
+      "that every device takes the same skip decision. Under plain jax.jit with "
+      "sharded arrays, leave axis_name=None: the check already sees the whole "
+      "global gradients."
     ) from e
 
 
-def all_devices_finite(finite: jax.Array, axis_name: Optional[Any]) -> jax.Array:
+def all_devices_finite(finite: jax.Array, axis_name: Any | None) -> jax.Array:
   """``finite`` on every device of ``axis_name`` (an AND across the axis)."""
   if axis_name is None:
     return finite

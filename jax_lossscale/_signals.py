@@ -9,8 +9,8 @@ them with the standard filter::
 
 from __future__ import annotations
 
+from typing import Any
 import warnings
-from typing import Any, Set
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ class LossScaleWarning(UserWarning):
 
 LossScaleWarning.__module__ = "jax_lossscale"
 
-_WARNED: Set[str] = set()
+_WARNED: set[str] = set()
 
 
 def warn_once(kind: str, message: str) -> None:
@@ -42,12 +42,12 @@ def check_gradient_dtypes(grads: Any) -> None:
   dtypes = {jnp.result_type(g) for g in jax.tree_util.tree_leaves(grads) if is_float(g)}
   if jnp.dtype(jnp.bfloat16) in dtypes and jnp.dtype(jnp.float16) not in dtypes:
     warn_once(
-        "bfloat16",
-        "dynamic_loss_scale got bfloat16 gradients and no float16 gradient. "
-        "bfloat16 has float32's range: nothing underflows that scaling would "
-        "save, and the scale only climbs (towards 2**127). Use "
-        "jax_lossscale.no_loss_scale(inner) for bfloat16 training (same state "
-        "and API, scale fixed at 1, non-finite steps still skipped).",
+      "bfloat16",
+      "dynamic_loss_scale got bfloat16 gradients and no float16 gradient. "
+      "bfloat16 has float32's range: nothing underflows that scaling would "
+      "save, and the scale only climbs (towards 2**127). Use "
+      "jax_lossscale.no_loss_scale(inner) for bfloat16 training (same state "
+      "and API, scale fixed at 1, non-finite steps still skipped).",
     )
 
 
@@ -58,10 +58,10 @@ def check_accumulation(tree: Any) -> None:
     # jax_lossscale.multi_steps keeps its state in a subclass.
     if type(node) is optax.MultiStepsState and scale_states(node.inner_opt_state):
       warn_once(
-          "multisteps",
-          "A loss scaler sits inside optax.MultiSteps. After one overflowing "
-          "micro-batch its accumulator holds NaN (it is reset as (1 - emit) * "
-          "acc), so every later step is skipped and the scale collapses. Use "
-          "jax_lossscale.multi_steps (same arguments, same state) instead.",
+        "multisteps",
+        "A loss scaler sits inside optax.MultiSteps. After one overflowing "
+        "micro-batch its accumulator holds NaN (it is reset as (1 - emit) * "
+        "acc), so every later step is skipped and the scale collapses. Use "
+        "jax_lossscale.multi_steps (same arguments, same state) instead.",
       )
       return

@@ -30,7 +30,7 @@ copies in the compiled step).
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +74,11 @@ def _explicitly_sharded(x: Any) -> bool:
 def _order_flag(x: Any):
   """An always-true bool scalar computed from the first element of ``x``, or ``None``."""
   if (
-      jax.default_backend() != "cpu"
-      or not is_float(x)
-      or jnp.size(x) < LARGE
-      or jnp.result_type(x).itemsize not in _BITS
-      or _explicitly_sharded(x)
+    jax.default_backend() != "cpu"
+    or not is_float(x)
+    or jnp.size(x) < LARGE
+    or jnp.result_type(x).itemsize not in _BITS
+    or _explicitly_sharded(x)
   ):
     return None
   first = jnp.asarray(x)[(0,) * jnp.ndim(x)]  # a static slice: no reshape
@@ -88,16 +88,16 @@ def _order_flag(x: Any):
 
 def _where(pred: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree_util.tree_map(
-      lambda a, b: None if a is None else jnp.where(pred, a, b),
-      new,
-      old,
-      is_leaf=lambda x: x is None,
+    lambda a, b: None if a is None else jnp.where(pred, a, b),
+    new,
+    old,
+    is_leaf=lambda x: x is None,
   )
 
 
 def skip_step(
-    finite: jax.Array, new_out: Any, old_out: Any, new_state: Any, old_state: Any
-) -> Tuple[Any, Any]:
+  finite: jax.Array, new_out: Any, old_out: Any, new_state: Any, old_state: Any
+) -> tuple[Any, Any]:
   """Selects a step's outputs and state: the new ones if ``finite``, else the old ones.
 
   Every leaf is a ``jnp.where``, so the result is bit for bit the selected

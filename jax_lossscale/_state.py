@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, List, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +33,7 @@ def check_int(name: str, value: Any, minimum: int) -> int:
     raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
   value = int(value)
   if value < minimum or value > np.iinfo(np.int32).max:
-    raise ValueError(
-        f"{name} must be an integer in [{minimum}, 2**31 - 1], got {value!r}."
-    )
+    raise ValueError(f"{name} must be an integer in [{minimum}, 2**31 - 1], got {value!r}.")
   return value
 
 
@@ -43,9 +41,7 @@ def check_init_scale(value: Any, name: str = "init_scale") -> float:
   """A valid initial scale: a normal, finite, positive float32."""
   value = check_positive_finite(name, value)
   if not MIN_NORMAL_F32 <= value <= MAX_F32:
-    raise ValueError(
-        f"{name} must be a normal float32 (in [2**-126, 3.4e38]), got {value!r}."
-    )
+    raise ValueError(f"{name} must be a normal float32 (in [2**-126, 3.4e38]), got {value!r}.")
   return value
 
 
@@ -113,8 +109,8 @@ class DynamicScaleConfig:
     min_scale = check_positive_finite("min_scale", self.min_scale)
     if min_scale < MIN_NORMAL_F32:
       raise ValueError(
-          "min_scale must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
-          f"so that the scale never becomes subnormal, got {min_scale!r}."
+        "min_scale must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
+        f"so that the scale never becomes subnormal, got {min_scale!r}."
       )
     max_scale = check_positive_finite("max_scale", self.max_scale)
     if max_scale > MAX_F32:
@@ -125,8 +121,8 @@ class DynamicScaleConfig:
       raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r}).")
     if not min_scale <= float(np.float32(init_scale)) <= max_scale:
       raise ValueError(
-          f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = "
-          f"[{min_scale!r}, {max_scale!r}]."
+        f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = "
+        f"[{min_scale!r}, {max_scale!r}]."
       )
     set_("min_scale", min_scale)
     set_("max_scale", max_scale)
@@ -140,11 +136,11 @@ class DynamicScaleConfig:
 DEFAULT_CONFIG = DynamicScaleConfig()
 
 _DATA_FIELDS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_tracker",
-    "skipped_steps",
-    "consecutive_skips",
+  "scale",
+  "growth_tracker",
+  "hysteresis_tracker",
+  "skipped_steps",
+  "consecutive_skips",
 )
 
 
@@ -185,17 +181,17 @@ class DynamicScaleState:
 
   @classmethod
   def create(
-      cls,
-      *,
-      init_scale: float = DEFAULT_CONFIG.init_scale,
-      growth_factor: float = DEFAULT_CONFIG.growth_factor,
-      backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
-      growth_interval: int = DEFAULT_CONFIG.growth_interval,
-      min_scale: float = DEFAULT_CONFIG.min_scale,
-      max_scale: float = DEFAULT_CONFIG.max_scale,
-      hysteresis: int = DEFAULT_CONFIG.hysteresis,
-      dynamic: bool = DEFAULT_CONFIG.dynamic,
-  ) -> "DynamicScaleState":
+    cls,
+    *,
+    init_scale: float = DEFAULT_CONFIG.init_scale,
+    growth_factor: float = DEFAULT_CONFIG.growth_factor,
+    backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
+    growth_interval: int = DEFAULT_CONFIG.growth_interval,
+    min_scale: float = DEFAULT_CONFIG.min_scale,
+    max_scale: float = DEFAULT_CONFIG.max_scale,
+    hysteresis: int = DEFAULT_CONFIG.hysteresis,
+    dynamic: bool = DEFAULT_CONFIG.dynamic,
+  ) -> DynamicScaleState:
     """Validates the configuration and returns the initial state.
 
     Arguments are those of :class:`DynamicScaleConfig` (torch's defaults).
@@ -204,40 +200,40 @@ class DynamicScaleState:
       ValueError: naming the argument, for any invalid value.
     """
     config = DynamicScaleConfig(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
-        dynamic=dynamic,
+      init_scale=init_scale,
+      growth_factor=growth_factor,
+      backoff_factor=backoff_factor,
+      growth_interval=growth_interval,
+      min_scale=min_scale,
+      max_scale=max_scale,
+      hysteresis=hysteresis,
+      dynamic=dynamic,
     )
     return cls.from_config(config)
 
   @classmethod
-  def from_config(cls, config: DynamicScaleConfig) -> "DynamicScaleState":
+  def from_config(cls, config: DynamicScaleConfig) -> DynamicScaleState:
     """The initial state for an already validated ``config``."""
     if not isinstance(config, DynamicScaleConfig):
       raise ValueError(f"config must be a DynamicScaleConfig, got {type(config).__name__}.")
     # One buffer per leaf: shared buffers cannot be donated (donate_argnums).
     zero = lambda: jnp.zeros([], jnp.int32)
     return cls(
-        scale=jnp.asarray(np.float32(config.init_scale), jnp.float32),
-        growth_tracker=zero(),
-        hysteresis_tracker=jnp.asarray(config.hysteresis, jnp.int32),
-        skipped_steps=zero(),
-        consecutive_skips=zero(),
-        config=config,
+      scale=jnp.asarray(np.float32(config.init_scale), jnp.float32),
+      growth_tracker=zero(),
+      hysteresis_tracker=jnp.asarray(config.hysteresis, jnp.int32),
+      skipped_steps=zero(),
+      consecutive_skips=zero(),
+      config=config,
     )
 
-  def replace(self, **changes: Any) -> "DynamicScaleState":
+  def replace(self, **changes: Any) -> DynamicScaleState:
     """A copy with the given fields replaced."""
     return dataclasses.replace(self, **changes)
 
 
 jax.tree_util.register_dataclass(
-    DynamicScaleState, data_fields=list(_DATA_FIELDS), meta_fields=["config"]
+  DynamicScaleState, data_fields=list(_DATA_FIELDS), meta_fields=["config"]
 )
 
 
@@ -246,7 +242,7 @@ def is_scale_state(x: Any) -> bool:
   return isinstance(x, DynamicScaleState)
 
 
-def scale_states(tree: Any) -> List[Tuple[str, DynamicScaleState]]:
+def scale_states(tree: Any) -> list[tuple[str, DynamicScaleState]]:
   """Every :class:`DynamicScaleState` in ``tree`` with its ``keystr`` path, in tree order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scale_state)
   return [(jax.tree_util.keystr(path), x) for path, x in flat if is_scale_state(x)]
@@ -283,12 +279,12 @@ def get_scale_state(tree: Any) -> DynamicScaleState:
     return found[0][1]
   if not found:
     raise ValueError(
-        "No DynamicScaleState found in the given tree "
-        f"({type(tree).__name__}); was the optimizer built with "
-        "jax_lossscale.dynamic_loss_scale?"
+      "No DynamicScaleState found in the given tree "
+      f"({type(tree).__name__}); was the optimizer built with "
+      "jax_lossscale.dynamic_loss_scale?"
     )
   raise ValueError(
-      f"Found {len(found)} DynamicScaleStates in the given tree (at "
-      f"{', '.join(p or '<root>' for p, _ in found)}); pass the one you mean "
-      "(e.g. the sub-state of one partition)."
+    f"Found {len(found)} DynamicScaleStates in the given tree (at "
+    f"{', '.join(p or '<root>' for p, _ in found)}); pass the one you mean "
+    "(e.g. the sub-state of one partition)."
   )

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Dict, Mapping
+from typing import Any
+from typing import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._state import (
-    DEFAULT_CONFIG,
-    DynamicScaleConfig,
-    DynamicScaleState,
-    check_backoff_factor,
-    check_growth_factor,
-    check_growth_interval,
-    check_init_scale,
-    get_scale_state,
-)
+from jax_lossscale._state import DEFAULT_CONFIG
+from jax_lossscale._state import DynamicScaleConfig
+from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._state import check_backoff_factor
+from jax_lossscale._state import check_growth_factor
+from jax_lossscale._state import check_growth_interval
+from jax_lossscale._state import check_init_scale
+from jax_lossscale._state import get_scale_state
 
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -31,15 +30,14 @@ def _host_scalar(name: str, x: Any) -> np.ndarray:
     value = np.asarray(x)
   except Exception as e:  # a tracer: jax raises a TracerArrayConversionError
     raise ValueError(
-        f"to_torch_state_dict reads {name} on the host; call it outside jit "
-        f"(got {type(x).__name__})."
+      f"to_torch_state_dict reads {name} on the host; call it outside jit (got {type(x).__name__})."
     ) from e
   if value.shape != ():
     raise ValueError(f"{name} must be a scalar, got shape {value.shape}.")
   return value
 
 
-def to_torch_state_dict(state: Any, *, strict: bool = True) -> Dict[str, Any]:
+def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
   """The scaler state as ``torch.amp.GradScaler.state_dict()`` would write it.
 
   Pass the result to ``GradScaler.load_state_dict`` (or save it in a torch
@@ -87,15 +85,15 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> Dict[str, Any]:
       lost.append("dynamic=False (a static scale)")
     if lost:
       raise ValueError(
-          "torch.amp.GradScaler cannot represent " + ", ".join(lost) + "; pass "
-          "strict=False to drop these settings."
+        "torch.amp.GradScaler cannot represent " + ", ".join(lost) + "; pass "
+        "strict=False to drop these settings."
       )
   return {
-      "scale": float(_host_scalar("scale", s.scale)),
-      "growth_factor": float(c.growth_factor),
-      "backoff_factor": float(c.backoff_factor),
-      "growth_interval": int(c.growth_interval),
-      "_growth_tracker": int(_host_scalar("growth_tracker", s.growth_tracker)),
+    "scale": float(_host_scalar("scale", s.scale)),
+    "growth_factor": float(c.growth_factor),
+    "backoff_factor": float(c.backoff_factor),
+    "growth_interval": int(c.growth_interval),
+    "_growth_tracker": int(_host_scalar("growth_tracker", s.growth_tracker)),
   }
 
 
@@ -103,9 +101,7 @@ def _is_scalar_number(x: Any) -> bool:
   """A Python/NumPy real, or a 0-d array or tensor of one (never a bool)."""
   if isinstance(x, (bool, np.bool_)) or "bool" in str(getattr(x, "dtype", "")):
     return False  # also 0-d bool arrays and tensors (torch.bool)
-  return isinstance(x, numbers.Real) or (
-      hasattr(x, "__float__") and getattr(x, "ndim", None) == 0
-  )
+  return isinstance(x, numbers.Real) or (hasattr(x, "__float__") and getattr(x, "ndim", None) == 0)
 
 
 def _real(sd: Mapping, key: str) -> float:
@@ -128,11 +124,11 @@ def _integer(sd: Mapping, key: str) -> int:
 
 
 def from_torch_state_dict(
-    sd: Mapping[str, Any],
-    *,
-    min_scale: float = DEFAULT_CONFIG.min_scale,
-    max_scale: float = DEFAULT_CONFIG.max_scale,
-    hysteresis: int = DEFAULT_CONFIG.hysteresis,
+  sd: Mapping[str, Any],
+  *,
+  min_scale: float = DEFAULT_CONFIG.min_scale,
+  max_scale: float = DEFAULT_CONFIG.max_scale,
+  hysteresis: int = DEFAULT_CONFIG.hysteresis,
 ) -> DynamicScaleState:
   """A :class:`DynamicScaleState` from ``torch.amp.GradScaler.state_dict()``.
 
@@ -172,9 +168,9 @@ def from_torch_state_dict(
     raise ValueError(f"sd must be a dict (GradScaler.state_dict()), got {type(sd).__name__}.")
   if len(sd) == 0:
     raise ValueError(
-        "sd is empty: it was saved from a disabled GradScaler (enabled=False), "
-        "which keeps no scale. Use jax_lossscale.no_loss_scale for unscaled "
-        "training, or dynamic_loss_scale to start scaling afresh."
+      "sd is empty: it was saved from a disabled GradScaler (enabled=False), "
+      "which keeps no scale. Use jax_lossscale.no_loss_scale for unscaled "
+      "training, or dynamic_loss_scale to start scaling afresh."
     )
   missing = [k for k in TORCH_KEYS if k not in sd]
   if missing:
@@ -188,15 +184,13 @@ def from_torch_state_dict(
   if not 0 <= tracker <= np.iinfo(np.int32).max:
     raise ValueError(f"{key('_growth_tracker')} must be in [0, 2**31 - 1], got {tracker}.")
   config = DynamicScaleConfig(
-      init_scale=check_init_scale(_real(sd, "scale"), key("scale")),
-      growth_factor=check_growth_factor(_real(sd, "growth_factor"), key("growth_factor")),
-      backoff_factor=check_backoff_factor(_real(sd, "backoff_factor"), key("backoff_factor")),
-      growth_interval=check_growth_interval(
-          _integer(sd, "growth_interval"), key("growth_interval")
-      ),
-      min_scale=min_scale,
-      max_scale=max_scale,
-      hysteresis=hysteresis,
+    init_scale=check_init_scale(_real(sd, "scale"), key("scale")),
+    growth_factor=check_growth_factor(_real(sd, "growth_factor"), key("growth_factor")),
+    backoff_factor=check_backoff_factor(_real(sd, "backoff_factor"), key("backoff_factor")),
+    growth_interval=check_growth_interval(_integer(sd, "growth_interval"), key("growth_interval")),
+    min_scale=min_scale,
+    max_scale=max_scale,
+    hysteresis=hysteresis,
   )
   state = DynamicScaleState.from_config(config)
   return state.replace(growth_tracker=jnp.asarray(tracker, jnp.int32))

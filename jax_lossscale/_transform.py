@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._numerics import compute_dtype, is_float, promote_floats, unscale_and_check
+from jax_lossscale._numerics import compute_dtype
+from jax_lossscale._numerics import is_float
+from jax_lossscale._numerics import promote_floats
+from jax_lossscale._numerics import unscale_and_check
 from jax_lossscale._rule import update_scale
-from jax_lossscale._sharding import all_devices_finite, place_like_params
-from jax_lossscale._signals import check_accumulation, check_gradient_dtypes
-from jax_lossscale._skip import skipped_updates, skip_step
-from jax_lossscale._state import (
-    DEFAULT_CONFIG,
-    DynamicScaleConfig,
-    DynamicScaleState,
-    check_init_scale,
-    get_scale_state,
-)
+from jax_lossscale._sharding import all_devices_finite
+from jax_lossscale._sharding import place_like_params
+from jax_lossscale._signals import check_accumulation
+from jax_lossscale._signals import check_gradient_dtypes
+from jax_lossscale._skip import skip_step
+from jax_lossscale._skip import skipped_updates
+from jax_lossscale._state import DEFAULT_CONFIG
+from jax_lossscale._state import DynamicScaleConfig
+from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._state import check_init_scale
+from jax_lossscale._state import get_scale_state
 
 
 class LossScaleState(NamedTuple):
@@ -60,37 +65,34 @@ def _cast_updates(new_updates: Any, grads: Any, params: Any) -> Any:
 def _check_state(state: Any, config: DynamicScaleConfig) -> None:
   if not isinstance(state, LossScaleState):
     raise ValueError(
-        "state must be the LossScaleState made by this transformation's init, "
-        f"got {type(state).__name__}."
+      "state must be the LossScaleState made by this transformation's init, "
+      f"got {type(state).__name__}."
     )
   # init_scale only sets the first scale: a state restored mid-run (from a
   # checkpoint, or from torch) may carry another one.
   held = dataclasses.replace(state.loss_scale.config, init_scale=config.init_scale)
   if held != config:
     raise ValueError(
-        "state was made by a loss scaler with another configuration: the state "
-        f"holds {state.loss_scale.config}, this transformation was built with "
-        f"{config}. Build the state with this transformation's init (or the "
-        "transformation with the state's settings)."
+      "state was made by a loss scaler with another configuration: the state "
+      f"holds {state.loss_scale.config}, this transformation was built with "
+      f"{config}. Build the state with this transformation's init (or the "
+      "transformation with the state's settings)."
     )
 
 
 def _loss_scale_transform(
-    inner: optax.GradientTransformation,
-    config: DynamicScaleConfig,
-    axis_name: Optional[Any],
+  inner: optax.GradientTransformation,
+  config: DynamicScaleConfig,
+  axis_name: Any | None,
 ) -> optax.GradientTransformationExtraArgs:
   if not isinstance(inner, optax.GradientTransformation):
-    raise ValueError(
-        "inner must be an optax.GradientTransformation, got "
-        f"{type(inner).__name__}."
-    )
+    raise ValueError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     state = LossScaleState(
-        loss_scale=DynamicScaleState.from_config(config),
-        inner_state=inner.init(promote_floats(params)),
+      loss_scale=DynamicScaleState.from_config(config),
+      inner_state=inner.init(promote_floats(params)),
     )
     return place_like_params(state, params)
 
@@ -101,11 +103,11 @@ def _loss_scale_transform(
     grads, finite = unscale_and_check(updates, state.loss_scale.scale)
     finite = all_devices_finite(finite, axis_name)
     new_updates, new_inner = inner.update(
-        grads, state.inner_state, promote_floats(params), **extra_args
+      grads, state.inner_state, promote_floats(params), **extra_args
     )
     new_updates = _cast_updates(new_updates, updates, params)
     new_updates, new_inner = skip_step(
-        finite, new_updates, skipped_updates(new_updates), new_inner, state.inner_state
+      finite, new_updates, skipped_updates(new_updates), new_inner, state.inner_state
     )
     new_scale = update_scale(state.loss_scale, finite)
     return new_updates, LossScaleState(loss_scale=new_scale, inner_state=new_inner)
@@ -114,16 +116,16 @@ def _loss_scale_transform(
 
 
 def dynamic_loss_scale(
-    inner: optax.GradientTransformation,
-    *,
-    init_scale: float = DEFAULT_CONFIG.init_scale,
-    growth_factor: float = DEFAULT_CONFIG.growth_factor,
-    backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
-    growth_interval: int = DEFAULT_CONFIG.growth_interval,
-    min_scale: float = DEFAULT_CONFIG.min_scale,
-    max_scale: float = DEFAULT_CONFIG.max_scale,
-    hysteresis: int = DEFAULT_CONFIG.hysteresis,
-    axis_name: Optional[Any] = None,
+  inner: optax.GradientTransformation,
+  *,
+  init_scale: float = DEFAULT_CONFIG.init_scale,
+  growth_factor: float = DEFAULT_CONFIG.growth_factor,
+  backoff_factor: float = DEFAULT_CONFIG.backoff_factor,
+  growth_interval: int = DEFAULT_CONFIG.growth_interval,
+  min_scale: float = DEFAULT_CONFIG.min_scale,
+  max_scale: float = DEFAULT_CONFIG.max_scale,
+  hysteresis: int = DEFAULT_CONFIG.hysteresis,
+  axis_name: Any | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with ``torch.amp.GradScaler``'s dynamic loss scaling.
 
@@ -183,22 +185,22 @@ def dynamic_loss_scale(
     Array([0.8, 0.8, 0.8], dtype=float32)
   """
   config = DynamicScaleConfig(
-      init_scale=init_scale,
-      growth_factor=growth_factor,
-      backoff_factor=backoff_factor,
-      growth_interval=growth_interval,
-      min_scale=min_scale,
-      max_scale=max_scale,
-      hysteresis=hysteresis,
+    init_scale=init_scale,
+    growth_factor=growth_factor,
+    backoff_factor=backoff_factor,
+    growth_interval=growth_interval,
+    min_scale=min_scale,
+    max_scale=max_scale,
+    hysteresis=hysteresis,
   )
   return _loss_scale_transform(inner, config, axis_name)
 
 
 def static_loss_scale(
-    inner: optax.GradientTransformation,
-    scale: float,
-    *,
-    axis_name: Optional[Any] = None,
+  inner: optax.GradientTransformation,
+  scale: float,
+  *,
+  axis_name: Any | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale.
 
@@ -228,9 +230,9 @@ def static_loss_scale(
 
 
 def no_loss_scale(
-    inner: optax.GradientTransformation,
-    *,
-    axis_name: Optional[Any] = None,
+  inner: optax.GradientTransformation,
+  *,
+  axis_name: Any | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling switched off: scale 1, with the same state and API.
 
@@ -280,8 +282,8 @@ def inner_state(opt_state: Any) -> optax.OptState:
   found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ls) if is_ls(x)]
   if len(found) != 1:
     raise ValueError(
-        f"opt_state must hold exactly one LossScaleState, found {len(found)} in "
-        f"{type(opt_state).__name__}."
+      f"opt_state must hold exactly one LossScaleState, found {len(found)} in "
+      f"{type(opt_state).__name__}."
     )
   return found[0].inner_state
 

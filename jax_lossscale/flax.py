@@ -17,7 +17,10 @@ Two ways to use loss scaling with Flax:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +32,21 @@ try:
   from flax.training import train_state
 except ImportError as e:  # pragma: no cover - exercised in a venv without flax
   raise ImportError(
-      "jax_lossscale.flax needs Flax: install the extra, "
-      "pip install 'jax-lossscale[flax]'."
+    "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
   ) from e
 
-from jax_lossscale._numerics import (
-    all_finite,
-    compute_dtype,
-    is_float,
-    promote_floats,
-    unscale_and_check,
-)
+from jax_lossscale._numerics import all_finite
+from jax_lossscale._numerics import compute_dtype
+from jax_lossscale._numerics import is_float
+from jax_lossscale._numerics import promote_floats
+from jax_lossscale._numerics import unscale_and_check
 from jax_lossscale._rule import update_scale
-from jax_lossscale._sharding import across_axis, place_like_params
+from jax_lossscale._sharding import across_axis
+from jax_lossscale._sharding import place_like_params
 from jax_lossscale._skip import skip_step
-from jax_lossscale._state import DynamicScaleState, get_scale_state, scale_states
+from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._state import get_scale_state
+from jax_lossscale._state import scale_states
 from jax_lossscale._transform import scale_loss
 
 __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
@@ -70,12 +73,12 @@ class ScaledValueAndGrad(NamedTuple):
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
-    scale: Any,
-    *,
-    argnums: Union[int, Sequence[int]] = 0,
-    has_aux: bool = False,
-    axis_name: Optional[Any] = None,
+  fun: Callable[..., Any],
+  scale: Any,
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  axis_name: Any | None = None,
 ) -> Callable[..., ScaledValueAndGrad]:
   """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
 
@@ -121,8 +124,7 @@ def value_and_grad(
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise ValueError(
-            "with has_aux=True, fun must return a pair (loss, aux), got "
-            f"{type(out).__name__}."
+          f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
         )
       loss, aux = out
     else:
@@ -193,14 +195,14 @@ class TrainState(train_state.TrainState):
 
   @classmethod
   def create(
-      cls,
-      *,
-      apply_fn: Callable,
-      params: Any,
-      tx: optax.GradientTransformation,
-      dynamic_scale: Optional[DynamicScaleState] = None,
-      **kwargs: Any,
-  ) -> "TrainState":
+    cls,
+    *,
+    apply_fn: Callable,
+    params: Any,
+    tx: optax.GradientTransformation,
+    dynamic_scale: DynamicScaleState | None = None,
+    **kwargs: Any,
+  ) -> TrainState:
     """A new state with ``step=0`` (int32), ``opt_state`` and the scaler.
 
     Args:
@@ -219,8 +221,7 @@ class TrainState(train_state.TrainState):
       dynamic_scale = DynamicScaleState.create()
     if not isinstance(dynamic_scale, DynamicScaleState):
       raise ValueError(
-          "dynamic_scale must be a DynamicScaleState, got "
-          f"{type(dynamic_scale).__name__}."
+        f"dynamic_scale must be a DynamicScaleState, got {type(dynamic_scale).__name__}."
       )
     if not isinstance(params, jax.Array) and OVERWRITE_WITH_GRADIENT in params:
       params_with_opt = params["params"]
@@ -229,34 +230,34 @@ class TrainState(train_state.TrainState):
     opt_state = place_like_params(tx.init(promote_floats(params_with_opt)), params_with_opt)
     if scale_states(opt_state):
       raise ValueError(
-          "tx already holds a loss scaler (dynamic_loss_scale/static_loss_scale); "
-          "use it with flax.training.train_state.TrainState, or pass a plain "
-          "optimizer here, not both."
+        "tx already holds a loss scaler (dynamic_loss_scale/static_loss_scale); "
+        "use it with flax.training.train_state.TrainState, or pass a plain "
+        "optimizer here, not both."
       )
     return cls(
-        step=place_like_params(jnp.zeros([], jnp.int32), params_with_opt),
-        apply_fn=apply_fn,
-        params=params,
-        tx=tx,
-        opt_state=opt_state,
-        dynamic_scale=place_like_params(dynamic_scale, params_with_opt),
-        **kwargs,
+      step=place_like_params(jnp.zeros([], jnp.int32), params_with_opt),
+      apply_fn=apply_fn,
+      params=params,
+      tx=tx,
+      opt_state=opt_state,
+      dynamic_scale=place_like_params(dynamic_scale, params_with_opt),
+      **kwargs,
     )
 
   def value_and_grad(
-      self,
-      fun: Callable[..., Any],
-      *,
-      argnums: Union[int, Sequence[int]] = 0,
-      has_aux: bool = False,
-      axis_name: Optional[Any] = None,
+    self,
+    fun: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    axis_name: Any | None = None,
   ) -> Callable[..., ScaledValueAndGrad]:
     """:func:`value_and_grad` with this state's ``dynamic_scale``."""
     return value_and_grad(
-        fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
+      fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
     )
 
-  def apply_gradients(self, *, grads: Any, finite: Any = None, **kwargs: Any) -> "TrainState":
+  def apply_gradients(self, *, grads: Any, finite: Any = None, **kwargs: Any) -> TrainState:
     """Applies unscaled gradients unless they are non-finite; updates the scale.
 
     Args:
@@ -279,24 +280,24 @@ class TrainState(train_state.TrainState):
     finite = jnp.asarray(finite)
     if finite.dtype != jnp.bool_ or finite.shape != ():
       raise ValueError(
-          f"finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
+        f"finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
       )
     owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
     grads_with_opt = grads["params"] if owg else grads
     params_with_opt = self.params["params"] if owg else self.params
     updates, new_opt_state = self.tx.update(
-        promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)
+      promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)
     )
     new_params = _apply_updates(params_with_opt, updates)
     if owg:
       new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
     new_params, opt_state = skip_step(
-        finite, new_params, self.params, new_opt_state, self.opt_state
+      finite, new_params, self.params, new_opt_state, self.opt_state
     )
     return self.replace(
-        step=jnp.where(finite, self.step + 1, self.step),
-        params=new_params,
-        opt_state=opt_state,
-        dynamic_scale=update_scale(self.dynamic_scale, finite),
-        **kwargs,
+      step=jnp.where(finite, self.step + 1, self.step),
+      params=new_params,
+      opt_state=opt_state,
+      dynamic_scale=update_scale(self.dynamic_scale, finite),
+      **kwargs,
     )

@@ -17,20 +17,21 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import importlib  # noqa: E402
-import re  # noqa: E402
-import time  # noqa: E402
+import importlib
+import re
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tests/mutate.py
   try:
-    from hypothesis import Phase, settings
+    from hypothesis import Phase
+    from hypothesis import settings
 
     # A mutant only needs a failing example, not the smallest one: no shrinking.
     settings.register_profile("mutate", phases=[Phase.explicit, Phase.reuse, Phase.generate])
@@ -57,8 +58,16 @@ def has_cuda() -> bool:
 #: Optional test dependencies that ``make test`` installs (the ``test`` extra),
 #: by import name. In CI a test that needs one of them fails when it is missing.
 REQUIRED_IN_CI = (
-    "torch", "hypothesis", "orbax", "sklearn", "matplotlib", "flax", "equinox", "chex", "jmp",
-    "tqdm",
+  "torch",
+  "hypothesis",
+  "orbax",
+  "sklearn",
+  "matplotlib",
+  "flax",
+  "equinox",
+  "chex",
+  "jmp",
+  "tqdm",
 )
 
 

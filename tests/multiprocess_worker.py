@@ -37,21 +37,25 @@ import sys
 # Devices per process must be set before JAX starts.
 if __name__ == "__main__":
   _n = int(sys.argv[sys.argv.index("--num-processes") + 1])
-  _flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith("--xla_force_host_platform_device_count")]
+  _flags = [
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  ]
   os.environ["XLA_FLAGS"] = " ".join(_flags + [f"--xla_force_host_platform_device_count={8 // _n}"])
   os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
 
-import jax_lossscale as jls  # noqa: E402
-from jax_lossscale.flax import TrainState  # noqa: E402
+import jax_lossscale as jls
+from jax_lossscale.flax import TrainState
 
 N_DEV = 8
 D, H, B = 16, 8, 32  # features, hidden units (both FSDP-sharded), global batch
@@ -63,8 +67,14 @@ BAD_COL = 11
 # Literal expectations (growth_interval 3, backoff 0.5, init 2**10).
 EXPECTED_SKIPPED = [0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
 EXPECTED_SCALE = [1024.0, 1024.0, 512.0, 512.0, 512.0, 256.0, 256.0, 256.0, 512.0, 512.0]
-SCENARIOS = ("dp_optax", "fsdp_optax", "fsdp_optax_auto", "dp_trainstate",
-             "fsdp_trainstate", "shard_map")
+SCENARIOS = (
+  "dp_optax",
+  "fsdp_optax",
+  "fsdp_optax_auto",
+  "dp_trainstate",
+  "fsdp_trainstate",
+  "shard_map",
+)
 CHECKPOINTED = ("fsdp_optax", "fsdp_trainstate")
 META_KEY = "jax_lossscale"
 
@@ -76,9 +86,9 @@ def global_data():
   for step, (row, value) in BAD_STEPS.items():
     xs[step, row, BAD_COL] = value
   params = {
-      "w1": (rng.normal(size=(D, H)) / 4).astype(np.float32),
-      "b1": np.zeros(H, np.float32),
-      "w2": (rng.normal(size=(H, 1)) / 3).astype(np.float32),
+    "w1": (rng.normal(size=(D, H)) / 4).astype(np.float32),
+    "b1": np.zeros(H, np.float32),
+    "w2": (rng.normal(size=(H, 1)) / 3).astype(np.float32),
   }
   ys = rng.normal(size=(STEPS, B, 1)).astype(np.float32)
   return xs, ys, params
@@ -130,15 +140,21 @@ def rows_of_this_process(mesh):
 def gather(tree):
   """Every leaf as a full numpy array in every process."""
   return jax.tree_util.tree_map(
-      lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+    lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree
+  )
 
 
 def scale_record(state):
   """The scale state from every local device; they must agree."""
   s = jls.get_scale_state(state)
   out = []
-  for name in ("scale", "growth_tracker", "hysteresis_tracker", "skipped_steps",
-               "consecutive_skips"):
+  for name in (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "skipped_steps",
+    "consecutive_skips",
+  ):
     leaf = getattr(s, name)
     shards = {np.asarray(sh.data).item() for sh in leaf.addressable_shards}
     if len(shards) != 1:
@@ -161,8 +177,10 @@ def spec_text(a):
 
 
 def specs_of(tree):
-  return {jax.tree_util.keystr(path): spec_text(a)
-          for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    jax.tree_util.keystr(path): spec_text(a)
+    for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 # -- the scenarios ---------------------------------------------------------------------
@@ -176,8 +194,9 @@ def init_optax(mesh, layout, params_np):
 def init_trainstate(mesh, layout, params_np):
   params = {k: put_global(mesh, s, params_np[k]) for k, s in param_specs(layout).items()}
   # No device_put: create places the scaler and the step like the params.
-  return TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2),
-                           dynamic_scale=make_scaler())
+  return TrainState.create(
+    apply_fn=None, params=params, tx=optax.adam(1e-2), dynamic_scale=make_scaler()
+  )
 
 
 def optax_step(tx, gather_to):
@@ -215,22 +234,25 @@ def shard_map_step(mesh, tx, state):
       return jls.scale_loss(loss, opt_state), loss
 
     (_, loss), g_full = jax.value_and_grad(scaled, has_aux=True)(full)
-    grads = {k: jax.lax.psum_scatter(g, "d", scatter_dimension=0, tiled=True)
-             for k, g in g_full.items()}
+    grads = {
+      k: jax.lax.psum_scatter(g, "d", scatter_dimension=0, tiled=True) for k, g in g_full.items()
+    }
     updates, opt_state = tx.update(grads, opt_state, params)
     new = {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
     return new, jax.lax.psum(loss, "d")
 
   specs = jax.tree_util.tree_map(lambda a: a.sharding.spec, state)
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("d"), P("d")),
-                               out_specs=(specs, P())))
+  return jax.jit(
+    jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("d"), P("d")), out_specs=(specs, P()))
+  )
 
 
 def build(mesh, name, params_np):
   layout = "dp" if name.startswith("dp") else "fsdp"
   if name == "shard_map":
-    tx = jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=3,
-                                axis_name="d")
+    tx = jls.dynamic_loss_scale(
+      optax.adam(1e-2), init_scale=2.0**10, growth_interval=3, axis_name="d"
+    )
     state = init_optax(mesh, "fsdp", params_np)
     return state, shard_map_step(mesh, tx, state)
   gather_to = NamedSharding(mesh, P()) if layout == "fsdp" else None
@@ -262,9 +284,13 @@ def host_readers(mesh, state):
   except jls.LossScaleError as e:
     raised = str(e)
   scale = jls.get_scale_state(state).scale
-  return {"metrics": m, "check_skips": consecutive, "raised": raised,
-          "scale_fully_addressable": bool(scale.is_fully_addressable),
-          "scale_replicated": bool(scale.sharding.is_fully_replicated)}
+  return {
+    "metrics": m,
+    "check_skips": consecutive,
+    "raised": raised,
+    "scale_fully_addressable": bool(scale.is_fully_addressable),
+    "scale_replicated": bool(scale.sharding.is_fully_replicated),
+  }
 
 
 def eager_init_recipe(mesh_auto, params_np, ckpt_dir):
@@ -274,21 +300,29 @@ def eager_init_recipe(mesh_auto, params_np, ckpt_dir):
 
   params = {k: put_global(mesh_auto, s, params_np[k]) for k, s in param_specs("fsdp").items()}
   opt_state = make_tx().init(params)
-  ts = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2),
-                         dynamic_scale=make_scaler())
-  scalars = [*jax.tree_util.tree_leaves(jls.get_scale_state(opt_state)), ts.step,
-             *jax.tree_util.tree_leaves(ts.dynamic_scale)]
-  out = {"scale_sharding": str(jls.get_scale_state(opt_state).scale.sharding),
-         "scalar_specs": sorted({spec_text(a) for a in scalars}),
-         "scale_fully_addressable": any(a.is_fully_addressable for a in scalars)}
+  ts = TrainState.create(
+    apply_fn=None, params=params, tx=optax.adam(1e-2), dynamic_scale=make_scaler()
+  )
+  scalars = [
+    *jax.tree_util.tree_leaves(jls.get_scale_state(opt_state)),
+    ts.step,
+    *jax.tree_util.tree_leaves(ts.dynamic_scale),
+  ]
+  out = {
+    "scale_sharding": str(jls.get_scale_state(opt_state).scale.sharding),
+    "scalar_specs": sorted({spec_text(a) for a in scalars}),
+    "scale_fully_addressable": any(a.is_fully_addressable for a in scalars),
+  }
   try:
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.join(ckpt_dir, "eager_init"),
-               {"params": params, "opt_state": opt_state, "trainstate": ts})
+    ckptr.save(
+      os.path.join(ckpt_dir, "eager_init"),
+      {"params": params, "opt_state": opt_state, "trainstate": ts},
+    )
     ckptr.wait_until_finished()
     ckptr.close()
     out["saved"] = True
-  except Exception as e:  # noqa: BLE001 -- reported to the test, which decides
+  except Exception as e:
     out["saved"] = False
     out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
   return out
@@ -380,12 +414,16 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:
     print(f"gloo is not available: {e}", file=sys.stderr)
     return 3
-  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                             process_id=args.process_id, initialization_timeout=60,
-                             coordinator_bind_address=f"127.0.0.1:{args.port}")
+  jax.distributed.initialize(
+    f"127.0.0.1:{args.port}",
+    num_processes=args.num_processes,
+    process_id=args.process_id,
+    initialization_timeout=60,
+    coordinator_bind_address=f"127.0.0.1:{args.port}",
+  )
   try:
     assert jax.device_count() == N_DEV, jax.devices()
     assert jax.local_device_count() == N_DEV // args.num_processes

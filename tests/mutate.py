@@ -45,18 +45,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from mutants import MUTANTS, Mutant  # noqa: E402
+from mutants import MUTANTS  # noqa: E402
+from mutants import Mutant  # noqa: E402
 
 REPORT = os.path.join(HERE, "mutation-report.md")
 
 
-def check_snippets(root: str, mutants: List[Mutant]) -> List[str]:
+def check_snippets(root: str, mutants: list[Mutant]) -> list[str]:
   """Every mutant whose snippet does not occur exactly once, with the count."""
   errors = []
   for m in mutants:
@@ -86,13 +86,16 @@ def copy_repo(dest: str, head: bool = False) -> None:
   e.g. while the working tree is in the middle of an edit.
   """
   if head:
-    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT,
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+      ["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
     return
   out = subprocess.run(
-      ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-      cwd=ROOT, capture_output=True, check=True,
+    ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    capture_output=True,
+    check=True,
   ).stdout.decode()
   for rel in filter(None, out.split("\0")):
     src = os.path.join(ROOT, rel)
@@ -102,7 +105,7 @@ def copy_repo(dest: str, head: bool = False) -> None:
     shutil.copy2(src, os.path.join(dest, rel))
 
 
-def pytest_env(copy: str) -> Dict[str, str]:
+def pytest_env(copy: str) -> dict[str, str]:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([copy, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   env["JAX_PLATFORMS"] = "cpu"
@@ -119,17 +122,29 @@ def pytest_env(copy: str) -> Dict[str, str]:
 _BAD_SELECTION = (4, 5)
 
 
-def run_tests(copy: str, tests: Tuple[str, ...], timeout: float) -> Tuple[int, str, float]:
+def run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[int, str, float]:
   """(pytest exit code, summary lines, seconds) of pytest over ``tests`` in the copy.
 
   The exit code is -1 on a timeout (a mutant that hangs counts as killed).
   """
-  cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider",
-         "-o", "addopts=", *tests]
+  cmd = [
+    sys.executable,
+    "-m",
+    "pytest",
+    "-x",
+    "-q",
+    "-rfE",
+    "-p",
+    "no:cacheprovider",
+    "-o",
+    "addopts=",
+    *tests,
+  ]
   t0 = time.perf_counter()
   try:
-    out = subprocess.run(cmd, cwd=copy, env=pytest_env(copy), capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+      cmd, cwd=copy, env=pytest_env(copy), capture_output=True, text=True, timeout=timeout
+    )
   except subprocess.TimeoutExpired:
     return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
   dt = time.perf_counter() - t0
@@ -140,8 +155,14 @@ def run_tests(copy: str, tests: Tuple[str, ...], timeout: float) -> Tuple[int, s
 
 def check_imports_from_copy(copy: str) -> None:
   code = "import jax_lossscale, sys; sys.stdout.write(jax_lossscale.__file__)"
-  out = subprocess.run([sys.executable, "-c", code], cwd=copy, env=pytest_env(copy),
-                       capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=copy,
+    env=pytest_env(copy),
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
   if not os.path.realpath(out).startswith(os.path.realpath(copy)):
     sys.exit(f"mutate: the copy imports jax_lossscale from {out}, not from {copy}")
 
@@ -155,19 +176,19 @@ def summary_line(results) -> str:
 
 def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
   lines = [
-      "# Mutation report",
-      "",
-      "Written by `make mutate` (`tests/mutate.py`, mutants in `tests/mutants.py`). Each mutant is",
-      "one realistic bug in a core module; it is applied in a temporary copy of the repository and",
-      "only its covering tests run (`pytest -x -q -p no:cacheprovider`). *killed*: the tests fail;",
-      "*equivalent*: the tests pass and the mutant cannot change any observable value (reason",
-      "given); *survived*: the tests pass although the mutant is a real bug.",
-      "",
-      f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
-      f"{seconds / 60:.1f} min in all (baseline of the unmutated copy: {baseline_s:.0f} s).",
-      "",
-      "| mutant | file | result | s | killed by / output |",
-      "|---|---|---|---:|---|",
+    "# Mutation report",
+    "",
+    "Written by `make mutate` (`tests/mutate.py`, mutants in `tests/mutants.py`). Each mutant is",
+    "one realistic bug in a core module; it is applied in a temporary copy of the repository and",
+    "only its covering tests run (`pytest -x -q -p no:cacheprovider`). *killed*: the tests fail;",
+    "*equivalent*: the tests pass and the mutant cannot change any observable value (reason",
+    "given); *survived*: the tests pass although the mutant is a real bug.",
+    "",
+    f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
+    f"{seconds / 60:.1f} min in all (baseline of the unmutated copy: {baseline_s:.0f} s).",
+    "",
+    "| mutant | file | result | s | killed by / output |",
+    "|---|---|---|---:|---|",
   ]
   for r in results:
     m = r["mutant"]
@@ -187,13 +208,18 @@ def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
   lines += [f"- `{r['mutant'].name}`: {r['mutant'].equivalent}" for r in equivalents] or ["None."]
   flagged = [r for r in results if r["mutant"].equivalent and r["status"] == "killed"]
   if flagged:
-    lines += ["", "Marked equivalent but killed (the mark is wrong): "
-              + ", ".join(f"`{r['mutant'].name}`" for r in flagged)]
+    lines += [
+      "",
+      "Marked equivalent but killed (the mark is wrong): "
+      + ", ".join(f"`{r['mutant'].name}`" for r in flagged),
+    ]
   survivors = [r for r in results if r["status"] == "survived"]
   lines += ["", "## Survivors", ""]
-  lines += [f"- `{r['mutant'].name}` ({r['mutant'].file}): {r['mutant'].why}. "
-            f"{'Why it survives: ' + r['mutant'].note if r['mutant'].note else 'Not explained.'}"
-            for r in survivors] or ["None."]
+  lines += [
+    f"- `{r['mutant'].name}` ({r['mutant'].file}): {r['mutant'].why}. "
+    f"{'Why it survives: ' + r['mutant'].note if r['mutant'].note else 'Not explained.'}"
+    for r in survivors
+  ] or ["None."]
   lines += ["", summary_line(results)]
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -204,13 +230,20 @@ def main(argv=None) -> int:
   parser.add_argument("--list", action="store_true", help="list the mutants, check snippets")
   parser.add_argument("--only", nargs="+", default=None, help="run only these mutants")
   parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
-  parser.add_argument("--report", default=None, help=f"report path (default {REPORT} for a full run)")
+  parser.add_argument(
+    "--report", default=None, help=f"report path (default {REPORT} for a full run)"
+  )
   parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
-  parser.add_argument("--tests", nargs="+", default=None,
-                      help="run these tests instead of each mutant's own (to show that a "
-                      "given test kills a given mutant)")
-  parser.add_argument("--head", action="store_true",
-                      help="mutate the last commit instead of the working tree")
+  parser.add_argument(
+    "--tests",
+    nargs="+",
+    default=None,
+    help="run these tests instead of each mutant's own (to show that a "
+    "given test kills a given mutant)",
+  )
+  parser.add_argument(
+    "--head", action="store_true", help="mutate the last commit instead of the working tree"
+  )
   args = parser.parse_args(argv)
 
   mutants = list(MUTANTS)
@@ -242,12 +275,16 @@ def main(argv=None) -> int:
     if not args.no_baseline:
       tests = tuple(sorted({t for m in mutants for t in m.tests}))
       rc, output, baseline_s = run_tests(copy, tests, args.timeout * 2)
-      print(f"baseline ({len(tests)} test paths): {'pass' if rc == 0 else 'FAIL'} in "
-            f"{baseline_s:.0f} s", flush=True)
+      print(
+        f"baseline ({len(tests)} test paths): {'pass' if rc == 0 else 'FAIL'} in "
+        f"{baseline_s:.0f} s",
+        flush=True,
+      )
       if rc != 0:
         print(output, file=sys.stderr)
-        print("mutate: the unmutated code fails its covering tests; fix that first",
-              file=sys.stderr)
+        print(
+          "mutate: the unmutated code fails its covering tests; fix that first", file=sys.stderr
+        )
         return 2
     results = []
     for i, m in enumerate(mutants, 1):
@@ -263,14 +300,18 @@ def main(argv=None) -> int:
           f.write(original)
       if rc in _BAD_SELECTION:
         print(output, file=sys.stderr)
-        print(f"mutate: {m.name}: pytest exit code {rc}: its test list selects nothing "
-              "runnable; fix tests/mutants.py", file=sys.stderr)
+        print(
+          f"mutate: {m.name}: pytest exit code {rc}: its test list selects nothing "
+          "runnable; fix tests/mutants.py",
+          file=sys.stderr,
+        )
         return 2
       status = "killed" if rc != 0 else ("equivalent" if m.equivalent else "survived")
       results.append(dict(mutant=m, status=status, output=output, seconds=dt))
       first = output.splitlines()[0] if output else ""
-      print(f"[{i}/{len(mutants)}] {m.name}: {status} ({dt:.0f} s) {first if rc else ''}",
-            flush=True)
+      print(
+        f"[{i}/{len(mutants)}] {m.name}: {status} ({dt:.0f} s) {first if rc else ''}", flush=True
+      )
       if status == "survived" or (status == "killed" and m.equivalent):
         print("    " + output.replace("\n", "\n    "), flush=True)
   total = time.perf_counter() - t_start

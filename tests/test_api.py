@@ -38,7 +38,7 @@ def test_defaults_match_torch_gradscaler_signature():
   assert sig["growth_interval"].default == 2000
 
 
-_MISSING_DEPENDENCY_TESTS = '''
+_MISSING_DEPENDENCY_TESTS = """
 import pytest
 from conftest import import_optional
 
@@ -50,7 +50,7 @@ def test_importorskip_inside_a_test():
 
 def test_importorskip_of_a_module_outside_the_test_extra():
   pytest.importorskip("not_in_the_test_extra")
-'''
+"""
 
 
 def _run_missing_dependency_tests(tmp_path, ci):
@@ -62,16 +62,29 @@ def _run_missing_dependency_tests(tmp_path, ci):
   shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
   (tmp_path / "test_missing.py").write_text(_MISSING_DEPENDENCY_TESTS)
   (tmp_path / "test_missing_module.py").write_text(
-      "import pytest\npytest.importorskip('hypothesis.no_such_module')\n"
-      "def test_never_collected():\n  pass\n"
+    "import pytest\npytest.importorskip('hypothesis.no_such_module')\n"
+    "def test_never_collected():\n  pass\n"
   )
   env = {k: v for k, v in os.environ.items() if k != "CI"}
   if ci:
     env["CI"] = "true"
   out = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-       "--continue-on-collection-errors", str(tmp_path)],
-      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-rA",
+      "-p",
+      "no:cacheprovider",
+      "--continue-on-collection-errors",
+      str(tmp_path),
+    ],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
   )
   return out.stdout
 

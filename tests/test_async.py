@@ -10,15 +10,15 @@ waited for any device value.
 
 import time
 
+from conftest import calibrated_iterations
+from conftest import slow_batch
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import jax_lossscale as jls
-from conftest import calibrated_iterations, slow_batch
 from jax_lossscale.flax import TrainState
 
 N_STEPS = 5
@@ -42,8 +42,8 @@ def _optax_path():
   """``dynamic_loss_scale`` as an Optax transformation in a jitted step."""
   tx = jls.dynamic_loss_scale(optax.sgd(1e-3, momentum=0.9), init_scale=2.0**10)
   params = {
-      "w": jnp.full((WIDTH, 1), 0.1, jnp.float32),
-      "b": jnp.zeros((1,), jnp.float32),
+    "w": jnp.full((WIDTH, 1), 0.1, jnp.float32),
+    "b": jnp.zeros((1,), jnp.float32),
   }
 
   def step(state, x):
@@ -67,9 +67,9 @@ def _linen_trainstate_path():
   model = _MLP()
   params = model.init(jax.random.key(0), jnp.zeros((4, WIDTH), jnp.float16))
   state = train_state.TrainState.create(
-      apply_fn=model.apply,
-      params=params,
-      tx=jls.dynamic_loss_scale(optax.sgd(1e-3, momentum=0.9), init_scale=2.0**10),
+    apply_fn=model.apply,
+    params=params,
+    tx=jls.dynamic_loss_scale(optax.sgd(1e-3, momentum=0.9), init_scale=2.0**10),
   )
   # Flax starts `step` as a Python int; an array keeps the jitted signature fixed.
   state = state.replace(step=jnp.zeros([], jnp.int32))
@@ -89,15 +89,15 @@ def _linen_scaler_field_path():
   model = _MLP()
   params = model.init(jax.random.key(0), jnp.zeros((4, WIDTH), jnp.float16))
   state = TrainState.create(
-      apply_fn=model.apply,
-      params=params,
-      tx=optax.sgd(1e-3, momentum=0.9),
-      dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**10),
+    apply_fn=model.apply,
+    params=params,
+    tx=optax.sgd(1e-3, momentum=0.9),
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**10),
   )
 
   def step(state, x):
     out = state.value_and_grad(lambda p: _loss(state.apply_fn(p, x.astype(jnp.float16))))(
-        state.params
+      state.params
     )
     return state.apply_gradients(grads=out.grads, finite=out.finite)
 
@@ -105,9 +105,9 @@ def _linen_scaler_field_path():
 
 
 PATHS = {
-    "optax": _optax_path,
-    "linen_trainstate": _linen_trainstate_path,
-    "linen_scaler_field": _linen_scaler_field_path,
+  "optax": _optax_path,
+  "linen_trainstate": _linen_trainstate_path,
+  "linen_scaler_field": _linen_scaler_field_path,
 }
 
 

@@ -77,14 +77,19 @@ def test_integer_and_bool_leaves_take_no_part_in_the_check(maybe_jit):
   # Integer/bool leaves (step counters, masks) need an inner transform that
   # leaves them alone; the scaler passes them through unscaled and unchecked.
   labels = {"w": "train", "count": "frozen", "mask": "frozen"}
-  inner = optax.multi_transform(
-      {"train": optax.sgd(0.5), "frozen": optax.set_to_zero()}, labels)
+  inner = optax.multi_transform({"train": optax.sgd(0.5), "frozen": optax.set_to_zero()}, labels)
   tx = jls.dynamic_loss_scale(inner, init_scale=4.0)
-  params = {"w": jnp.ones(2, jnp.float32), "count": jnp.asarray([3, 7], jnp.int32),
-            "mask": jnp.asarray([True, False])}
+  params = {
+    "w": jnp.ones(2, jnp.float32),
+    "count": jnp.asarray([3, 7], jnp.int32),
+    "mask": jnp.asarray([True, False]),
+  }
   state = tx.init(params)
-  grads = {"w": jnp.full(2, 4.0, jnp.float32), "count": jnp.asarray([2**30, -5], jnp.int32),
-           "mask": jnp.asarray([True, True])}
+  grads = {
+    "w": jnp.full(2, 4.0, jnp.float32),
+    "count": jnp.asarray([2**30, -5], jnp.int32),
+    "mask": jnp.asarray([True, True]),
+  }
   updates, state = maybe_jit(tx.update)(grads, state, params)
   assert int(state.loss_scale.skipped_steps) == 0  # the huge int is not an overflow
   assert updates["count"].dtype == jnp.int32 and updates["mask"].dtype == jnp.bool_
@@ -195,22 +200,22 @@ def test_vmap_over_a_batch_of_states():
   states = jax.vmap(tx.init)(params)
   assert states.loss_scale.scale.shape == (n,)
   assert states.loss_scale.config == tx.init({"w": jnp.ones(2)}).loss_scale.config
-  grads = {"w": jnp.asarray([[4.0, 4.0], [jnp.inf, 4.0], [4.0, jnp.nan], [8.0, 8.0]],
-                            jnp.float32)}
+  grads = {"w": jnp.asarray([[4.0, 4.0], [jnp.inf, 4.0], [4.0, jnp.nan], [8.0, 8.0]], jnp.float32)}
   update = jax.jit(jax.vmap(tx.update))
   updates, new = update(grads, states, params)
   np.testing.assert_array_equal(new.loss_scale.skipped_steps, [0, 1, 1, 0])
   np.testing.assert_array_equal(new.loss_scale.scale, [4.0, 2.0, 2.0, 4.0])
   for i in range(n):  # each member equals its own unbatched run
-    one = jax.tree_util.tree_map(lambda x: x[i], (grads, states, params))
+    one = jax.tree_util.tree_map(lambda x, i=i: x[i], (grads, states, params))
     u, s = tx.update(*one)
-    _assert_bit_identical(u, jax.tree_util.tree_map(lambda x: x[i], updates))
-    _assert_bit_identical(s, jax.tree_util.tree_map(lambda x: x[i], new))
+    _assert_bit_identical(u, jax.tree_util.tree_map(lambda x, i=i: x[i], updates))
+    _assert_bit_identical(s, jax.tree_util.tree_map(lambda x, i=i: x[i], new))
   # The skipped members' params and inner state are untouched.
   new_params = optax.apply_updates(params, updates)
   for i in (1, 2):
-    np.testing.assert_array_equal(np.asarray(new_params["w"][i]).view(np.uint32),
-                                  np.asarray(params["w"][i]).view(np.uint32))
+    np.testing.assert_array_equal(
+      np.asarray(new_params["w"][i]).view(np.uint32), np.asarray(params["w"][i]).view(np.uint32)
+    )
   _state_dtypes_ok(new.loss_scale)
   rule = jax.vmap(jls.update_scale)(states.loss_scale, jnp.asarray([True, False, True, False]))
   np.testing.assert_array_equal(rule.scale, [4.0, 2.0, 4.0, 2.0])
@@ -254,7 +259,8 @@ def test_float64_with_x64_keeps_state_dtypes():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env,
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, "-c", _X64_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "x64 ok" in proc.stdout

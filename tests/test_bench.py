@@ -10,10 +10,10 @@ import glob
 import importlib.util
 import os
 
+from conftest import in_ci
+from conftest import standard_promotion
 import numpy as np
 import pytest
-
-from conftest import in_ci, standard_promotion
 
 _DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
 _spec = importlib.util.spec_from_file_location("bench", os.path.join(_DIR, "bench.py"))
@@ -26,18 +26,22 @@ import bench_variants  # noqa: E402
 WIDTHS = [16, 32, 10]
 TINY_LM = {"d_model": 16, "context": 8, "vocab": 128, "layers": 1}
 TINY = {
-    "mlp": bench_models.Model(
-        "tiny-mlp", "tiny MLP",
-        lambda seed=0: bench_models.mlp_init_params(WIDTHS, seed),
-        lambda seed=1: bench_models.mlp_make_batch(WIDTHS, seed),
-        bench_models.mlp_loss_fn, {"widths": WIDTHS},
-    ),
-    "transformer": bench_models.Model(
-        "tiny-lm", "tiny LM",
-        lambda seed=0: bench_models.lm_init_params(seed, **TINY_LM),
-        lambda seed=1: bench_models.lm_make_batch(seed, **TINY_LM),
-        bench_models.lm_loss_fn, {"transformer": TINY_LM},
-    ),
+  "mlp": bench_models.Model(
+    "tiny-mlp",
+    "tiny MLP",
+    lambda seed=0: bench_models.mlp_init_params(WIDTHS, seed),
+    lambda seed=1: bench_models.mlp_make_batch(WIDTHS, seed),
+    bench_models.mlp_loss_fn,
+    {"widths": WIDTHS},
+  ),
+  "transformer": bench_models.Model(
+    "tiny-lm",
+    "tiny LM",
+    lambda seed=0: bench_models.lm_init_params(seed, **TINY_LM),
+    lambda seed=1: bench_models.lm_make_batch(seed, **TINY_LM),
+    bench_models.lm_loss_fn,
+    {"transformer": TINY_LM},
+  ),
 }
 _BASELINE = {}
 
@@ -88,7 +92,7 @@ def test_every_peer_and_reference_is_registered():
   assert bench_variants.VARIANTS[0] == "baseline"
   assert set(bench_variants.PEERS) == {"flax", "jmp", "optax_aif"}
   assert {"jax_lossscale", "jls_trainstate", "cond_ref", "jls_diagnostics"} <= set(
-      bench_variants.VARIANTS
+    bench_variants.VARIANTS
   )
   assert set(bench.QUICK_MODELS) <= set(bench.DEFAULT_MODELS) <= set(bench.MODELS)
 
@@ -111,7 +115,7 @@ def test_transformer_model_is_the_char_lm():
 
 
 @pytest.mark.parametrize(
-    "path", sorted(glob.glob(os.path.join(_DIR, "results", "*.json"))), ids=os.path.basename
+  "path", sorted(glob.glob(os.path.join(_DIR, "results", "*.json"))), ids=os.path.basename
 )
 def test_committed_results_re_render_to_their_markdown(path):
   """The report is a function of the JSON: committed tables are reproducible."""

@@ -28,7 +28,7 @@ if __name__ != "__main__":
 
   ocp = import_optional("orbax.checkpoint")
 
-import jax_lossscale as jls  # noqa: E402
+import jax_lossscale as jls
 
 STEPS, SAVE_AT = 12, 5
 BAD_STEPS = (2, 3, 7, 8, 9)  # overflows before and after the checkpoint
@@ -38,16 +38,19 @@ META_KEY = "jax_lossscale"
 def make_tx(growth_interval=2):
   schedule = optax.exponential_decay(0.05, transition_steps=2, decay_rate=0.5)
   return jls.dynamic_loss_scale(
-      optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(schedule, momentum=0.9)),
-      init_scale=2.0**8, growth_factor=1.5, growth_interval=growth_interval,
-      hysteresis=2, min_scale=1.0,
+    optax.chain(optax.clip_by_global_norm(10.0), optax.sgd(schedule, momentum=0.9)),
+    init_scale=2.0**8,
+    growth_factor=1.5,
+    growth_interval=growth_interval,
+    hysteresis=2,
+    min_scale=1.0,
   )
 
 
 def init_state(tx):
   params = {
-      "dense": {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)},
-      "b": jnp.zeros([4], jnp.float32),
+    "dense": {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)},
+    "b": jnp.zeros([4], jnp.float32),
   }
   return {"params": params, "opt_state": tx.init(params)}
 
@@ -59,8 +62,7 @@ def make_step(tx):
     loss = lambda p: jnp.mean(jnp.tanh(x @ p["dense"]["w"] + p["b"]) ** 2)
     grads = jax.grad(lambda p: jls.scale_loss(loss(p), opt_state))(params)
     bad = jnp.isin(i, jnp.asarray(BAD_STEPS))
-    grads = jax.tree_util.tree_map(
-        lambda g: jnp.where(bad, jnp.float32(jnp.inf), g), grads)
+    grads = jax.tree_util.tree_map(lambda g: jnp.where(bad, jnp.float32(jnp.inf), g), grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}
 
@@ -76,14 +78,14 @@ def train(tx, train_state, start, stop):
 
 def leaves_as_bytes(tree):
   return {
-      jax.tree_util.keystr(path): np.asarray(x).reshape(-1).view(np.uint8)
-      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    jax.tree_util.keystr(path): np.asarray(x).reshape(-1).view(np.uint8)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
   }
 
 
 def resume(ckpt_dir, out_file):
   """In a fresh process: restore into a target built by the code, train on."""
-  import orbax.checkpoint as ocp  # noqa: F811
+  import orbax.checkpoint as ocp
 
   tx = make_tx()
   target = init_state(tx)  # shapes, dtypes and the static config come from here
@@ -99,8 +101,7 @@ def resume(ckpt_dir, out_file):
 
 def _save(path, train_state):
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(path, train_state,
-             custom_metadata={META_KEY: jls.scale_config_metadata(train_state)})
+  ckptr.save(path, train_state, custom_metadata={META_KEY: jls.scale_config_metadata(train_state)})
   ckptr.wait_until_finished()
   ckptr.close()
 
@@ -121,8 +122,11 @@ def test_resume_in_a_fresh_process_is_bit_identical(tmp_path, uninterrupted):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
   proc = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), "resume", ckpt, out],
-      env=env, capture_output=True, text=True, timeout=120,
+    [sys.executable, os.path.abspath(__file__), "resume", ckpt, out],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   resumed = dict(np.load(out))
@@ -157,13 +161,20 @@ def test_restore_keeps_dtypes_structure_and_config(tmp_path, uninterrupted):
   assert isinstance(state, jls.DynamicScaleState)
   assert state.config == uninterrupted["opt_state"].loss_scale.config
   assert state.scale.dtype == jnp.float32 and state.growth_tracker.dtype == jnp.int32
-  for field in ("scale", "growth_tracker", "hysteresis_tracker", "skipped_steps",
-                "consecutive_skips"):
-    np.testing.assert_array_equal(getattr(state, field),
-                                  getattr(uninterrupted["opt_state"].loss_scale, field))
+  for field in (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "skipped_steps",
+    "consecutive_skips",
+  ):
+    np.testing.assert_array_equal(
+      getattr(state, field), getattr(uninterrupted["opt_state"].loss_scale, field)
+    )
   # The config is not among the saved arrays: only the five leaves are.
   assert sorted(raw["opt_state"]["loss_scale"]) == sorted(
-      ["scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "consecutive_skips"])
+    ["scale", "growth_tracker", "hysteresis_tracker", "skipped_steps", "consecutive_skips"]
+  )
 
 
 def test_config_change_is_detected_on_restore(tmp_path, uninterrupted):
@@ -173,17 +184,27 @@ def test_config_change_is_detected_on_restore(tmp_path, uninterrupted):
   saved = ckptr.metadata(ckpt).custom_metadata[META_KEY]
   ckptr.close()
   changed = init_state(make_tx(growth_interval=3))
-  with pytest.raises(ValueError, match=r"\['opt_state'\]\.loss_scale.*growth_interval was 2 .* is 3"):
+  with pytest.raises(
+    ValueError, match=r"\['opt_state'\]\.loss_scale.*growth_interval was 2 .* is 3"
+  ):
     jls.check_scale_config(changed, saved)
   jls.check_scale_config(changed, saved, ignore=("growth_interval",))  # deliberate
   jls.check_scale_config(init_state(make_tx()), saved)
 
 
 def test_config_metadata_round_trips_json_exactly():
-  state = {"a": jls.DynamicScaleState.create(
-      init_scale=3.3, growth_factor=1.1, backoff_factor=0.3, min_scale=1e-30,
-      max_scale=1e30, growth_interval=7, hysteresis=3),
-      "b": [jls.DynamicScaleState.create(dynamic=False)]}
+  state = {
+    "a": jls.DynamicScaleState.create(
+      init_scale=3.3,
+      growth_factor=1.1,
+      backoff_factor=0.3,
+      min_scale=1e-30,
+      max_scale=1e30,
+      growth_interval=7,
+      hysteresis=3,
+    ),
+    "b": [jls.DynamicScaleState.create(dynamic=False)],
+  }
   meta = json.loads(json.dumps(jls.scale_config_metadata(state)))
   jls.check_scale_config(state, meta)
   assert set(meta["configs"]) == {"['a']", "['b'][0]"}

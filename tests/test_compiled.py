@@ -9,6 +9,7 @@ compiled too, as a control that the count detects the copies.
 
 import re
 
+from conftest import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,14 +18,11 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax
-
-from conftest import standard_promotion
+from jax_lossscale._skip import LARGE
 
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="the copies are an XLA:CPU property"
+  jax.default_backend() != "cpu", reason="the copies are an XLA:CPU property"
 )
-
-from jax_lossscale._skip import LARGE
 
 WIDTHS = [256, 512, 256, 10]  # two weight matrices of 2 * LARGE elements
 BIG = LARGE  # smaller leaves are left to XLA (copying them is cheap)
@@ -34,11 +32,11 @@ _COPY = re.compile(r"=\s*\w+\[([0-9,]*)\]\{[^}]*\}\s+copy\(")
 def _params():
   rng = np.random.default_rng(0)
   return {
-      f"l{i}": {
-          "w": jnp.asarray(rng.standard_normal((a, b)), jnp.float32) / np.float32(np.sqrt(a)),
-          "b": jnp.zeros((b,), jnp.float32),
-      }
-      for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:]))
+    f"l{i}": {
+      "w": jnp.asarray(rng.standard_normal((a, b)), jnp.float32) / np.float32(np.sqrt(a)),
+      "b": jnp.zeros((b,), jnp.float32),
+    }
+    for i, (a, b) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:]))
   }
 
 
@@ -124,8 +122,10 @@ def test_dynamic_loss_scale_step_has_no_state_copy():
 
 def test_flax_train_state_step_has_no_state_copy():
   state = jls_flax.TrainState.create(
-      apply_fn=None, params=_params(), tx=optax.adam(1e-3),
-      dynamic_scale=jls.DynamicScaleState.create(),
+    apply_fn=None,
+    params=_params(),
+    tx=optax.adam(1e-3),
+    dynamic_scale=jls.DynamicScaleState.create(),
   )
 
   def step(state, x, y):

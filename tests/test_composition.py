@@ -18,8 +18,8 @@ def _bits(tree):
 def _true_grads(i):
   rng = np.random.default_rng(i)
   return {
-      "a": jnp.asarray(rng.normal(size=(3,)) * 4.0, jnp.float32),
-      "b": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32),
+    "a": jnp.asarray(rng.normal(size=(3,)) * 4.0, jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32),
   }
 
 
@@ -71,8 +71,10 @@ def test_schedule_does_not_advance_on_skipped_steps(maybe_jit):
       ref, ref_state = inner.update(g, ref_state, PARAMS)
       assert _bits(updates) == _bits(ref)
     else:  # -0.0 everywhere, so p + u == p bit for bit
-      assert all(np.all(np.asarray(u) == 0.0) and np.all(np.signbit(np.asarray(u)))
-                 for u in jax.tree_util.tree_leaves(updates))
+      assert all(
+        np.all(np.asarray(u) == 0.0) and np.all(np.signbit(np.asarray(u)))
+        for u in jax.tree_util.tree_leaves(updates)
+      )
   count = optax.tree_utils.tree_get(state, "count")
   assert int(count) == sum(pattern) == 3
   assert int(jls.metrics(state)["skipped_steps"]) == 3
@@ -91,9 +93,9 @@ def test_adam_count_and_moments_frozen_on_skipped_steps(maybe_jit):
       if ok:
         ref, ref_state = inner.update(g, ref_state, PARAMS)
         np.testing.assert_allclose(
-            np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)]),
-            np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(ref)]),
-            rtol=1e-6,
+          np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(updates)]),
+          np.concatenate([np.ravel(u) for u in jax.tree_util.tree_leaves(ref)]),
+          rtol=1e-6,
         )
       else:
         assert _bits(state.inner_state) == _bits(before)
@@ -141,7 +143,7 @@ def test_multisteps_accumulates_with_constant_scale(dtype):
         np.testing.assert_array_equal(u, r)
       assert all(u.dtype == dtype for u in jax.tree_util.tree_leaves(updates))
       assert any(np.any(np.asarray(u) != 0) for u in jax.tree_util.tree_leaves(updates)) == (
-          i % k == k - 1
+        i % k == k - 1
       )
   assert scales == [SCALE] * (2 * k)  # one constant scale for every micro-batch
   assert int(jls.metrics(state)["growth_tracker"]) == 2  # one per accumulated step
@@ -184,24 +186,29 @@ def test_multisteps_skips_whole_step_if_any_microbatch_overflowed(make):
 
 def test_mixed_precision_params(maybe_jit):
   params = {
-      "f32": jnp.ones(3, jnp.float32),
-      "bf16": jnp.ones(3, jnp.bfloat16),
-      "f16": jnp.ones(3, jnp.float16),
+    "f32": jnp.ones(3, jnp.float32),
+    "bf16": jnp.ones(3, jnp.bfloat16),
+    "f16": jnp.ones(3, jnp.float16),
   }
   inner = optax.sgd(0.25, momentum=0.5)
   tx = jls.dynamic_loss_scale(inner, init_scale=SCALE)
   state = tx.init(params)
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state.inner_state))
   true = {"f32": [1.0, 2.0, 3.0], "bf16": [0.5, -1.0, 4.0], "f16": [2.0, -0.25, 1.0]}
-  grads = {k: (jnp.asarray(v, jnp.float32) * SCALE).astype(params[k].dtype) for k, v in true.items()}
+  grads = {
+    k: (jnp.asarray(v, jnp.float32) * SCALE).astype(params[k].dtype) for k, v in true.items()
+  }
   update = maybe_jit(tx.update)
   updates, state = update(grads, state, params)
-  ref, _ = inner.update({k: jnp.asarray(v, jnp.float32) for k, v in true.items()},
-                        inner.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)))
+  ref, _ = inner.update(
+    {k: jnp.asarray(v, jnp.float32) for k, v in true.items()},
+    inner.init(jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)),
+  )
   for k in params:
     assert updates[k].dtype == params[k].dtype
-    np.testing.assert_array_equal(np.asarray(updates[k], np.float32),
-                                  np.asarray(ref[k].astype(params[k].dtype), np.float32))
+    np.testing.assert_array_equal(
+      np.asarray(updates[k], np.float32), np.asarray(ref[k].astype(params[k].dtype), np.float32)
+    )
   new = optax.apply_updates(params, updates)
   assert {k: v.dtype for k, v in new.items()} == {k: v.dtype for k, v in params.items()}
   # An overflow in the float16 leaf skips every leaf, bit for bit.
@@ -259,7 +266,9 @@ def test_bfloat16_no_loss_scale_runs_the_same_code(maybe_jit):
   x = jnp.asarray([1.0, 0.5, 2.0, 0.0], jnp.bfloat16)
   new, state = maybe_jit(step)(params, state, x)
   ref_grads = jax.grad(lambda p: jnp.sum((p["w"] * x) ** 2))(params)
-  ref = optax.apply_updates(params, optax.sgd(0.5).update(ref_grads, optax.sgd(0.5).init(params))[0])
+  ref = optax.apply_updates(
+    params, optax.sgd(0.5).update(ref_grads, optax.sgd(0.5).init(params))[0]
+  )
   assert new["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(new["w"], np.float32), np.asarray(ref["w"], np.float32))
   m = jls.metrics(state)

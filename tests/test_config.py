@@ -5,6 +5,7 @@ import subprocess
 import sys
 import warnings
 
+from conftest import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,13 +16,14 @@ import jax_lossscale as jls
 from jax_lossscale import _signals
 from jax_lossscale._state import DEFAULT_CONFIG
 
-from conftest import standard_promotion
-
-
 # ----------------------------------------------------------------------------- defaults
 
-TORCH_DEFAULTS = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
-                  "growth_interval": 2000}
+TORCH_DEFAULTS = {
+  "init_scale": 2.0**16,
+  "growth_factor": 2.0,
+  "backoff_factor": 0.5,
+  "growth_interval": 2000,
+}
 
 
 def test_default_config_is_torchs():
@@ -33,10 +35,14 @@ def test_default_config_is_torchs():
 
 
 @pytest.mark.parametrize(
-    "fn",
-    [jls.DynamicScaleState.create, jls.dynamic_loss_scale, jls.from_torch_state_dict,
-     jls.DynamicScaleConfig],
-    ids=lambda f: f.__qualname__,
+  "fn",
+  [
+    jls.DynamicScaleState.create,
+    jls.dynamic_loss_scale,
+    jls.from_torch_state_dict,
+    jls.DynamicScaleConfig,
+  ],
+  ids=lambda f: f.__qualname__,
 )
 def test_every_public_signature_agrees_with_the_defaults(fn):
   params = inspect.signature(fn).parameters
@@ -66,33 +72,43 @@ def test_state_of_another_config_is_refused_naming_both(maybe_jit):
 def test_static_state_given_to_a_dynamic_scaler_is_refused(maybe_jit):
   params = {"w": jnp.zeros(2)}
   state = jls.no_loss_scale(optax.sgd(1.0)).init(params)
-  with pytest.raises(ValueError, match="dynamic=False.*dynamic=True"):
+  with pytest.raises(ValueError, match=r"dynamic=False.*dynamic=True"):
     maybe_jit(jls.dynamic_loss_scale(optax.sgd(1.0)).update)({"w": jnp.ones(2)}, state, params)
 
 
 def test_a_state_restored_from_torch_with_the_same_settings_is_accepted():
   tx = jls.dynamic_loss_scale(optax.sgd(1.0), growth_interval=3)
   state = tx.init({"w": jnp.zeros(1)})
-  sd = {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
-        "_growth_tracker": 2}
+  sd = {
+    "scale": 64.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 3,
+    "_growth_tracker": 2,
+  }
   state = state._replace(loss_scale=jls.from_torch_state_dict(sd))
   _, state = tx.update({"w": jnp.ones(1)}, state)
   assert float(state.loss_scale.scale) == 128.0  # the third clean step grows
 
 
 @pytest.mark.parametrize(
-    "key, value, message",
-    [
-        ("scale", 0.0, r"state_dict\['scale'\] must be positive"),
-        ("scale", 1e-39, r"state_dict\['scale'\] must be a normal float32"),
-        ("growth_factor", 1.0, r"state_dict\['growth_factor'\] must be > 1"),
-        ("backoff_factor", 1.5, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
-        ("growth_interval", 0, r"state_dict\['growth_interval'\] must be an integer in \[1"),
-    ],
+  "key, value, message",
+  [
+    ("scale", 0.0, r"state_dict\['scale'\] must be positive"),
+    ("scale", 1e-39, r"state_dict\['scale'\] must be a normal float32"),
+    ("growth_factor", 1.0, r"state_dict\['growth_factor'\] must be > 1"),
+    ("backoff_factor", 1.5, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
+    ("growth_interval", 0, r"state_dict\['growth_interval'\] must be an integer in \[1"),
+  ],
 )
 def test_torch_keys_are_validated_under_their_own_names(key, value, message):
-  sd = {"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
-        "_growth_tracker": 0}
+  sd = {
+    "scale": 64.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 3,
+    "_growth_tracker": 0,
+  }
   sd[key] = value
   with pytest.raises(ValueError, match=message):
     jls.from_torch_state_dict(sd)
@@ -119,7 +135,9 @@ def test_adam_at_tiny_lr_loses_no_update(maybe_jit):
   params = {"w": jnp.full((2,), 1e-4, jnp.float32)}
   tx = jls.dynamic_loss_scale(optax.adam(1e-8), init_scale=1024.0)
   with standard_promotion():
-    updates, _ = maybe_jit(tx.update)({"w": jnp.full((2,), 1.0, jnp.float16)}, tx.init(params), params)
+    updates, _ = maybe_jit(tx.update)(
+      {"w": jnp.full((2,), 1.0, jnp.float16)}, tx.init(params), params
+    )
   assert updates["w"].dtype == jnp.float32 and bool(jnp.all(updates["w"] < 0))
 
 
@@ -146,7 +164,7 @@ def test_skipped_step_updates_take_the_same_dtype(maybe_jit):
   params = {"w": jnp.array([-0.0, 1.0], jnp.float32)}
   tx = jls.dynamic_loss_scale(optax.sgd(0.5))
   updates, _ = maybe_jit(tx.update)(
-      {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}, tx.init(params), params
+    {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}, tx.init(params), params
   )
   assert updates["w"].dtype == jnp.float32 and bool(jnp.all(jnp.signbit(updates["w"])))
   new = optax.apply_updates(params, updates)["w"]
@@ -225,8 +243,12 @@ def test_no_warning_for_float16_or_float32_gradients_or_static_scaling(fresh_war
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     tx = jls.dynamic_loss_scale(optax.sgd(0.1))
-    tx.update({"w": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
-    tx.update({"w": jnp.ones(2), "b": jnp.ones(2)}, tx.init(params), params)  # float16 inside the loss
+    tx.update(
+      {"w": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params
+    )
+    tx.update(
+      {"w": jnp.ones(2), "b": jnp.ones(2)}, tx.init(params), params
+    )  # float16 inside the loss
     tx = jls.no_loss_scale(optax.sgd(0.1))
     tx.update({"w": jnp.ones(2), "b": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
 

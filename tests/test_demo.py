@@ -35,9 +35,27 @@ def tiny_run(tmp_path_factory):
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("XLA_FLAGS", None)
   cmd = [
-      sys.executable, str(DEMO), "--out", str(out), "--steps", "60", "--probes", "4",
-      "--batch-size", "256", "--hidden", "16", "--depth", "2", "--growth-interval", "5",
-      "--lr", "1e-2", "--seed", "3", "--no-progress",
+    sys.executable,
+    str(DEMO),
+    "--out",
+    str(out),
+    "--steps",
+    "60",
+    "--probes",
+    "4",
+    "--batch-size",
+    "256",
+    "--hidden",
+    "16",
+    "--depth",
+    "2",
+    "--growth-interval",
+    "5",
+    "--lr",
+    "1e-2",
+    "--seed",
+    "3",
+    "--no-progress",
   ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -109,17 +127,17 @@ def test_png_written(tiny_run):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--steps", "0"], "--steps must be >= 1"),
-        (["--steps", "ten"], "--steps must be an integer"),
-        (["--lr", "-1"], "--lr must be positive"),
-        (["--lr", "nan"], "--lr must be positive"),
-        (["--hidden", "0"], "--hidden must be >= 1"),
-        (["--batch-size", "5000"], "--batch-size: must be <="),
-        (["--param-dtype", "bfloat16"], "invalid choice: 'bfloat16'"),
-        (["--test-fraction", "0.95"], "--test-fraction must be positive and <= 0.9"),
-    ],
+  "argv, message",
+  [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "ten"], "--steps must be an integer"),
+    (["--lr", "-1"], "--lr must be positive"),
+    (["--lr", "nan"], "--lr must be positive"),
+    (["--hidden", "0"], "--hidden must be >= 1"),
+    (["--batch-size", "5000"], "--batch-size: must be <="),
+    (["--param-dtype", "bfloat16"], "invalid choice: 'bfloat16'"),
+    (["--test-fraction", "0.95"], "--test-fraction must be positive and <= 0.9"),
+  ],
 )
 def test_bad_flags_are_clear_errors(argv, message, capsys):
   demo = _load_demo()

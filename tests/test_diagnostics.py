@@ -2,6 +2,8 @@
 
 import time
 
+from conftest import calibrated_iterations
+from conftest import slow_batch
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,28 +11,29 @@ import pytest
 
 import jax_lossscale as jls
 
-from conftest import calibrated_iterations, slow_batch
-
 F16_SUB = float(2.0**-15)  # a float16 subnormal
 F16_TINY = float(2.0**-14)  # the smallest normal float16: not counted
 
 
 def _grads():
   return {
-      "layers_0": {
-          "attn": {"kernel": jnp.array([4.0, -0.0, F16_SUB, F16_TINY, -8.0], jnp.float16)},
-      },
-      "bad": jnp.array([1.0, jnp.inf, jnp.nan, -2.0], jnp.float32),
-      "zeros": jnp.zeros((3,), jnp.float32),
-      "big": [jnp.array([[16376.0, -1e-7]], jnp.float32)],
-      "step": jnp.int32(7),  # ignored: not floating point
-      "none": None,
+    "layers_0": {
+      "attn": {"kernel": jnp.array([4.0, -0.0, F16_SUB, F16_TINY, -8.0], jnp.float16)},
+    },
+    "bad": jnp.array([1.0, jnp.inf, jnp.nan, -2.0], jnp.float32),
+    "zeros": jnp.zeros((3,), jnp.float32),
+    "big": [jnp.array([[16376.0, -1e-7]], jnp.float32)],
+    "step": jnp.int32(7),  # ignored: not floating point
+    "none": None,
   }
 
 
 def test_leaf_names_follow_flattening_order():
   assert jls.grad_leaf_names(_grads()) == [
-      "bad", "big/0", "layers_0/attn/kernel", "zeros",
+    "bad",
+    "big/0",
+    "layers_0/attn/kernel",
+    "zeros",
   ]
   assert jls.grad_leaf_names(jnp.ones(2)) == ["leaf"]
   assert jls.grad_leaf_names({"i": jnp.int32(1)}) == []
@@ -40,9 +43,9 @@ def test_exact_values(maybe_jit):
   d = maybe_jit(jls.grad_diagnostics)(_grads(), jnp.float32(4.0))
   d = {k: np.asarray(v) for k, v in d.items()}
   names = jls.grad_leaf_names(_grads())
-  assert set(d) == {f"{n}/{s}" for n in names for s in
-                    ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")} | {
-                        "min_headroom", "min_headroom_leaf", "nonfinite"}
+  assert set(d) == {
+    f"{n}/{s}" for n in names for s in ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")
+  } | {"min_headroom", "min_headroom_leaf", "nonfinite"}
   k = "layers_0/attn/kernel"
   assert d[f"{k}/max_abs"] == np.float32(2.0)  # 8 / 4, the finite maximum, unscaled
   assert d[f"{k}/nonfinite"] == 0
@@ -193,8 +196,8 @@ def _mlp_loss(factor):
 def _mlp_setup(param_dtype=jnp.float32):
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   params = {
-      "l1": {"w": jax.random.normal(k1, (8, 16)) / 3, "b": jnp.zeros(16)},
-      "l2": {"w": jax.random.normal(k2, (16, 1)) / 4},
+    "l1": {"w": jax.random.normal(k1, (8, 16)) / 3, "b": jnp.zeros(16)},
+    "l2": {"w": jax.random.normal(k2, (16, 1)) / 4},
   }
   params = jax.tree_util.tree_map(lambda x: x.astype(param_dtype), params)
   x = jax.random.normal(k3, (32, 8))
@@ -240,11 +243,15 @@ def test_one_pass_per_leaf_no_leaf_sized_intermediate():
   """Each leaf is reduced in one loop: no s32/f32 copy of the leaf is written."""
   g = {"a": jnp.ones((512, 384), jnp.float16), "b": jnp.ones((1000,), jnp.float32)}
   hlo = jax.jit(jls.grad_diagnostics).lower(g, 2.0).compile().as_text()
-  entry = hlo[hlo.index("ENTRY"):]
+  entry = hlo[hlo.index("ENTRY") :]
   for shape in ("[512,384]", "[1000]"):
-    produced = [line for line in entry.splitlines()
-                if "= " in line and shape in line.split("= ", 1)[1].split(" ", 1)[0]
-                and "parameter(" not in line]
+    produced = [
+      line
+      for line in entry.splitlines()
+      if "= " in line
+      and shape in line.split("= ", 1)[1].split(" ", 1)[0]
+      and "parameter(" not in line
+    ]
     assert not produced, produced
 
 
@@ -254,10 +261,10 @@ def test_float64_leaves_are_reduced_in_float64():
   import sys
 
   code = (
-      "import jax; jax.config.update('jax_enable_x64', True)\n"
-      "import jax.numpy as jnp, jax_lossscale as jls\n"
-      "d = jls.grad_diagnostics({'w': jnp.array([1e39, 0.0], jnp.float64)}, 1.0)\n"
-      "print(int(d['w/nonfinite']), float(d['w/headroom']), d['w/max_abs'].dtype)\n"
+    "import jax; jax.config.update('jax_enable_x64', True)\n"
+    "import jax.numpy as jnp, jax_lossscale as jls\n"
+    "d = jls.grad_diagnostics({'w': jnp.array([1e39, 0.0], jnp.float64)}, 1.0)\n"
+    "print(int(d['w/nonfinite']), float(d['w/headroom']), d['w/max_abs'].dtype)\n"
   )
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,6 @@
 """Equinox: filter_value_and_grad of a scaled loss, filtered params, skip bit for bit."""
 
+from conftest import standard_promotion
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,16 +9,13 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from conftest import standard_promotion
 
 D, HIDDEN = 4, 8
 
 
 def _model(dtype):
   model = eqx.nn.MLP(D, 1, HIDDEN, depth=1, activation=jax.nn.relu, key=jax.random.key(0))
-  model = jax.tree_util.tree_map(
-      lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model
-  )
+  model = jax.tree_util.tree_map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
   # A -0.0 and a float16 subnormal (2**-20; a normal float32) among the params.
   w = model.layers[0].weight.at[0, 0].set(-0.0).at[0, 1].set(2.0**-20)
   return eqx.tree_at(lambda m: m.layers[0].weight, model, w)
@@ -25,7 +23,7 @@ def _model(dtype):
 
 def _loss(model, x, y):
   half = jax.tree_util.tree_map(
-      lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
+    lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
   )
   pred = jax.vmap(half)(x.astype(jnp.float16)).astype(jnp.float32)
   return jnp.mean(jnp.square(pred - y))
@@ -35,8 +33,11 @@ def _bits(tree):
   out = []
   for a in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array)):
     a = np.asarray(a)
-    out.append(a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32 if a.dtype.itemsize == 4
-                      else np.uint8))
+    out.append(
+      a.view(
+        np.uint16 if a.dtype.itemsize == 2 else np.uint32 if a.dtype.itemsize == 4 else np.uint8
+      )
+    )
   return out
 
 
@@ -54,7 +55,7 @@ def _step_fn(tx):
       loss = _loss(m, x, y)
       return jls.scale_loss(loss, opt_state), loss
 
-    (_, loss), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model)
+    (_, _loss), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model)
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     return eqx.apply_updates(model, updates), opt_state, updates, grads
 
@@ -72,7 +73,7 @@ def test_filter_value_and_grad_of_scaled_loss_is_scale_times_the_gradient():
   x, y = _data()
   state = jls.DynamicScaleState.create(init_scale=2.0**10)
   (scaled, loss), g = eqx.filter_value_and_grad(
-      lambda m: (jls.scale_loss(_loss(m, x, y), state), _loss(m, x, y)), has_aux=True
+    lambda m: (jls.scale_loss(_loss(m, x, y), state), _loss(m, x, y)), has_aux=True
   )(model)
   assert scaled.dtype == jnp.float32 and float(scaled) == float(loss) * 2.0**10
   # Non-array fields (the activation function) get no gradient.

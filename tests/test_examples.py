@@ -12,13 +12,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = [
-    "optax_quickstart.py",
-    "flax_linen_trainstate.py",
-    "flax_nnx.py",
-    "gradient_accumulation.py",
-    "data_parallel.py",
-    "equinox_mlp.py",
-    "transformer_lm.py",
+  "optax_quickstart.py",
+  "flax_linen_trainstate.py",
+  "flax_nnx.py",
+  "gradient_accumulation.py",
+  "data_parallel.py",
+  "equinox_mlp.py",
+  "transformer_lm.py",
 ]
 
 
@@ -28,11 +28,15 @@ def runs():
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   env.pop("XLA_FLAGS", None)  # data_parallel.py must set up its devices itself
   procs = {
-      name: subprocess.Popen(
-          [sys.executable, str(ROOT / "examples" / name), "--smoke"],
-          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-      )
-      for name in EXAMPLES
+    name: subprocess.Popen(
+      [sys.executable, str(ROOT / "examples" / name), "--smoke"],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+      cwd=ROOT,
+    )
+    for name in EXAMPLES
   }
   results = {}
   for name, proc in procs.items():
@@ -72,7 +76,9 @@ def test_transformer_smoke_logs_diagnostics_and_a_verdict(runs):
 
 def test_example_fails_loudly():
   # One step cannot halve the loss (and is skipped): main() must report failure.
-  spec = importlib.util.spec_from_file_location("optax_quickstart", ROOT / "examples" / "optax_quickstart.py")
+  spec = importlib.util.spec_from_file_location(
+    "optax_quickstart", ROOT / "examples" / "optax_quickstart.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   with jax.numpy_dtype_promotion("standard"):  # examples run with JAX's default promotion

@@ -1,16 +1,18 @@
 """Flax linen: the ``dynamic_scale`` TrainState field, scaled value_and_grad, stock TrainState."""
 
 import flax.linen as nn
+from flax.training import train_state
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from flax.training import train_state
-from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_lossscale as jls
-from jax_lossscale.flax import TrainState, value_and_grad
+from jax_lossscale.flax import TrainState
+from jax_lossscale.flax import value_and_grad
 
 
 def _bits_equal(a, b):
@@ -67,14 +69,14 @@ def test_value_and_grad_argnums_and_overflow(maybe_jit):
   ds = jls.DynamicScaleState.create(init_scale=2.0**10)
   f = lambda a, b: jnp.sum(a * b)
   out = maybe_jit(value_and_grad(f, ds, argnums=(0, 1)))(
-      jnp.ones(2, jnp.float32), jnp.asarray([2.0, 3.0], jnp.float32)
+    jnp.ones(2, jnp.float32), jnp.asarray([2.0, 3.0], jnp.float32)
   )
   assert out.aux is None
   np.testing.assert_array_equal(out.grads[0], [2.0, 3.0])
   np.testing.assert_array_equal(out.grads[1], [1.0, 1.0])
   assert bool(out.finite)
   bad = maybe_jit(value_and_grad(f, ds, argnums=(0, 1)))(
-      jnp.ones(2, jnp.float32), jnp.asarray([jnp.inf, 3.0], jnp.float32)
+    jnp.ones(2, jnp.float32), jnp.asarray([jnp.inf, 3.0], jnp.float32)
   )
   assert not bool(bad.finite)
 
@@ -103,10 +105,13 @@ def test_value_and_grad_axis_name_skips_on_every_device():
   # check_vma=False: per-device gradients, as under pmap (with check_vma JAX itself
   # already sums the cotangent of the replicated ``w`` across devices).
   f = jax.jit(
-      jax.shard_map(
-          per_device, mesh=mesh, in_specs=(P(), P("batch")), out_specs=P("batch"),
-          check_vma=False,
-      )
+    jax.shard_map(
+      per_device,
+      mesh=mesh,
+      in_specs=(P(), P("batch")),
+      out_specs=P("batch"),
+      check_vma=False,
+    )
   )
   x = jnp.arange(24, dtype=jnp.float32).reshape(8, 3)
   grads, finite = f(w, x)
@@ -179,8 +184,8 @@ def test_trainstate_finite_step_matches_stock_trainstate():
   for _ in range(3):
     ours, loss = step(ours, x, y)
 
-    def loss_fn(params):
-      return jnp.mean((stock.apply_fn({"params": params}, x) - y) ** 2)
+    def loss_fn(params, apply_fn=stock.apply_fn):
+      return jnp.mean((apply_fn({"params": params}, x) - y) ** 2)
 
     ref_loss, grads = jax.value_and_grad(loss_fn)(stock.params)
     stock = stock.apply_gradients(grads=grads)
@@ -192,8 +197,10 @@ def test_trainstate_finite_step_matches_stock_trainstate():
 
 def test_trainstate_skipped_step_is_bit_identical():
   with jax.numpy_dtype_promotion("standard"):  # optax.adam is not strict-promotion clean
-    state = _linen_state(optax.adam(1e-2), dynamic_scale=jls.DynamicScaleState.create(
-        init_scale=2.0**10, growth_interval=2))
+    state = _linen_state(
+      optax.adam(1e-2),
+      dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**10, growth_interval=2),
+    )
     x, y = _data()
     step = jax.jit(_train_step)  # (eager linen + Adam is slow; eager is covered below)
     state, _ = step(state, x, y)  # a real step first: non-trivial Adam state
@@ -219,8 +226,9 @@ def test_trainstate_computes_finite_when_not_given():
 
 
 def test_trainstate_no_recompilation_across_skips():
-  state = _linen_state(optax.sgd(0.1), dynamic_scale=jls.DynamicScaleState.create(
-      init_scale=2.0**4, growth_interval=2))
+  state = _linen_state(
+    optax.sgd(0.1), dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**4, growth_interval=2)
+  )
   x, y = _data()
   step = jax.jit(lambda *a: _train_step(*a))  # a fresh function: its own jit cache
   scales = []
@@ -234,8 +242,11 @@ def test_trainstate_no_recompilation_across_skips():
 
 def test_trainstate_half_precision_params_keep_dtype():
   # float16 params: tx state is float32, params stay float16, an overflow is skipped.
-  state = _linen_state(optax.sgd(0.01, momentum=0.9), dtype=jnp.float16,
-                       dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**24))
+  state = _linen_state(
+    optax.sgd(0.01, momentum=0.9),
+    dtype=jnp.float16,
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**24),
+  )
   assert all(p.dtype == jnp.float16 for p in jax.tree_util.tree_leaves(state.params))
   assert all(s.dtype == jnp.float32 for s in jax.tree_util.tree_leaves(state.opt_state))
   x, y = _data()
@@ -270,11 +281,13 @@ def test_stock_trainstate_with_dynamic_loss_scale(maybe_jit):
     return state.apply_gradients(grads=grads), loss
 
   step = maybe_jit(train_step)
-  new, loss = step(state, x, y)
+  new, _loss = step(state, x, y)
   _, ref_grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(
-      params
+    params
   )
-  ref = optax.apply_updates(params, optax.sgd(0.1).update(ref_grads, optax.sgd(0.1).init(params))[0])
+  ref = optax.apply_updates(
+    params, optax.sgd(0.1).update(ref_grads, optax.sgd(0.1).init(params))[0]
+  )
   _close(new.params, ref)
   assert int(jls.metrics(new)["growth_tracker"]) == 1
   skipped, _ = step(new, x.at[1, 1].set(jnp.inf), y)

@@ -6,14 +6,14 @@ plugin and a CUDA build of torch). Skipped cleanly everywhere else.
 
 import zlib
 
+from conftest import has_cuda
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch_side_by_side as sbs
 
 import jax_lossscale as jls
-import torch_side_by_side as sbs
-from conftest import has_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +31,13 @@ def _cuda_or_skip():
 
 
 @pytest.mark.parametrize(
-    "config",
-    [{}, dict(init_scale=8.0, growth_interval=2), dict(growth_factor=1.1, backoff_factor=0.3, growth_interval=3)],
-    ids=["defaults", "init8_interval2", "growth1.1_backoff0.3"],
+  "config",
+  [
+    {},
+    dict(init_scale=8.0, growth_interval=2),
+    dict(growth_factor=1.1, backoff_factor=0.3, growth_interval=3),
+  ],
+  ids=["defaults", "init8_interval2", "growth1.1_backoff0.3"],
 )
 def test_cuda_trajectory_matches_torch_cuda(config):
   device = _cuda_or_skip()

@@ -19,8 +19,9 @@ import jax_lossscale as jls
 class MegatronDynamicGradScaler:
   """Megatron-LM's ``DynamicGradScaler`` (update rule only), in plain Python."""
 
-  def __init__(self, initial_scale, min_scale, growth_factor, backoff_factor,
-               growth_interval, hysteresis):
+  def __init__(
+    self, initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis
+  ):
     self.scale = np.float32(initial_scale)
     self.min_scale = np.float32(min_scale)
     self.growth_factor = np.float32(growth_factor)
@@ -58,7 +59,7 @@ def _flags(seed, n, p_overflow):
   rng = np.random.default_rng(seed)
   flags = rng.random(n) >= p_overflow
   for start in rng.integers(0, n - 8, size=3):  # a few overflow storms
-    flags[start:start + rng.integers(2, 8)] = False
+    flags[start : start + rng.integers(2, 8)] = False
   return flags
 
 
@@ -67,8 +68,10 @@ def _flags(seed, n, p_overflow):
 def test_trajectory_matches_megatron_reference(hysteresis, growth_interval):
   init, floor = 2.0**10, 1.0  # Megatron's default min_loss_scale is 1.0
   state = jls.DynamicScaleState.create(
-      init_scale=init, min_scale=floor, growth_interval=growth_interval,
-      hysteresis=hysteresis,
+    init_scale=init,
+    min_scale=floor,
+    growth_interval=growth_interval,
+    hysteresis=hysteresis,
   )
   ref = MegatronDynamicGradScaler(init, floor, 2.0, 0.5, growth_interval, hysteresis)
   # Megatron has no ceiling: overflow often enough that its scale stays finite.
@@ -100,17 +103,17 @@ def test_first_n_minus_1_overflows_keep_the_scale(maybe_jit):
     s = update(s, jnp.asarray(finite))
     seen.append((float(s.scale), int(s.hysteresis_tracker), int(s.growth_tracker)))
   assert seen == [
-      (64.0, 2, 0),  # 1st overflow: held
-      (64.0, 1, 0),  # 2nd overflow: held
-      (32.0, 0, 0),  # 3rd overflow: backs off
-      (16.0, 0, 0),  # the budget stays empty: every further overflow backs off
-      (16.0, 0, 1),  # clean steps do not refill the budget ...
-      (16.0, 0, 2),
-      (8.0, 0, 0),  # ... so this overflow backs off at once
-      (8.0, 0, 1),
-      (8.0, 0, 2),
-      (16.0, 3, 0),  # growth refills it (as Megatron)
-      (16.0, 2, 0),  # held again
+    (64.0, 2, 0),  # 1st overflow: held
+    (64.0, 1, 0),  # 2nd overflow: held
+    (32.0, 0, 0),  # 3rd overflow: backs off
+    (16.0, 0, 0),  # the budget stays empty: every further overflow backs off
+    (16.0, 0, 1),  # clean steps do not refill the budget ...
+    (16.0, 0, 2),
+    (8.0, 0, 0),  # ... so this overflow backs off at once
+    (8.0, 0, 1),
+    (8.0, 0, 2),
+    (16.0, 3, 0),  # growth refills it (as Megatron)
+    (16.0, 2, 0),  # held again
   ]
   assert int(s.skipped_steps) == 6 and int(s.consecutive_skips) == 1
 
@@ -137,9 +140,11 @@ def test_held_overflow_still_skips_the_step(maybe_jit):
   assert float(state.loss_scale.scale) == 16.0  # held by hysteresis
   assert int(state.loss_scale.hysteresis_tracker) == 1
   np.testing.assert_array_equal(
-      np.asarray(new_params["w"]).view(np.uint32), np.asarray(before_params["w"]).view(np.uint32)
+    np.asarray(new_params["w"]).view(np.uint32), np.asarray(before_params["w"]).view(np.uint32)
   )
-  for a, b in zip(jax.tree_util.tree_leaves(state.inner_state), jax.tree_util.tree_leaves(before_inner)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(state.inner_state), jax.tree_util.tree_leaves(before_inner)
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   updates, state = update(bad, state, params)
   assert float(state.loss_scale.scale) == 8.0  # second overflow backs off

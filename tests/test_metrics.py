@@ -2,6 +2,8 @@
 
 import time
 
+from conftest import calibrated_iterations
+from conftest import slow_batch
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,6 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from conftest import calibrated_iterations, slow_batch
 
 KEYS = ["scale", "growth_tracker", "last_step_skipped", "skipped_steps", "consecutive_skips"]
 
@@ -46,8 +47,11 @@ def test_metrics_dtypes_and_nested_states():
   state, _ = _run([True, False], jax.jit, wrap=lambda tx: optax.chain(optax.identity(), tx))
   m = jls.metrics(state)
   assert {k: v.dtype for k, v in m.items()} == {
-      "scale": jnp.float32, "growth_tracker": jnp.int32, "last_step_skipped": jnp.bool_,
-      "skipped_steps": jnp.int32, "consecutive_skips": jnp.int32,
+    "scale": jnp.float32,
+    "growth_tracker": jnp.int32,
+    "last_step_skipped": jnp.bool_,
+    "skipped_steps": jnp.int32,
+    "consecutive_skips": jnp.int32,
   }
   assert all(v.shape == () for v in m.values())
   assert jls.metrics(jls.DynamicScaleState.create())["scale"].item() == 2.0**16
@@ -94,15 +98,21 @@ def test_metrics_and_report_do_not_wait_for_the_device():
 
 def test_nonfinite_leaves_reports_each_leaf(maybe_jit):
   grads = {
-      "dense": {"kernel": jnp.asarray([[1.0, jnp.inf]], jnp.float32), "bias": jnp.zeros(2, jnp.float16)},
-      "out": jnp.asarray([jnp.nan], jnp.bfloat16),
-      "count": jnp.asarray(3, jnp.int32),
+    "dense": {
+      "kernel": jnp.asarray([[1.0, jnp.inf]], jnp.float32),
+      "bias": jnp.zeros(2, jnp.float16),
+    },
+    "out": jnp.asarray([jnp.nan], jnp.bfloat16),
+    "count": jnp.asarray(3, jnp.int32),
   }
   report = maybe_jit(jls.nonfinite_leaves)(grads)
   assert jax.tree_util.tree_structure(report) == jax.tree_util.tree_structure(grads)
   flat = {jax.tree_util.keystr(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(report)}
   assert flat == {
-      "['count']": False, "['dense']['bias']": False, "['dense']['kernel']": True, "['out']": True,
+    "['count']": False,
+    "['dense']['bias']": False,
+    "['dense']['kernel']": True,
+    "['out']": True,
   }
   assert all(v.dtype == jnp.bool_ and v.shape == () for v in jax.tree_util.tree_leaves(report))
   assert jls.nonfinite_leaves({"a": None, "b": jnp.ones(1, jnp.float32)})["a"] is None
@@ -111,8 +121,9 @@ def test_nonfinite_leaves_reports_each_leaf(maybe_jit):
 def test_metrics_of_flax_trainstate_field():
   from jax_lossscale.flax import TrainState
 
-  state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2, jnp.float32)},
-                            tx=optax.sgd(0.1))
+  state = TrainState.create(
+    apply_fn=None, params={"w": jnp.ones(2, jnp.float32)}, tx=optax.sgd(0.1)
+  )
   new = state.apply_gradients(grads={"w": jnp.asarray([np.inf, 0.0], jnp.float32)})
   m = jls.metrics(new)
   assert bool(m["last_step_skipped"]) and m["scale"].item() == 2.0**15

@@ -14,11 +14,13 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
 
@@ -32,22 +34,24 @@ BAD_ROW, BAD_COL = 9, 13  # batch row (device 2's data shard), feature (device 6
 # backoff 0.5, growth 2; overflows at steps 2, 3, 4): (scale, growth_tracker,
 # hysteresis_tracker, skipped_steps, consecutive_skips) after each step.
 EXPECTED_TRAJECTORY = [
-    (1024.0, 1, 2, 0, 0),  # clean
-    (2048.0, 0, 2, 0, 0),  # clean: 2nd in a row, grows; hysteresis refilled
-    (2048.0, 0, 1, 1, 1),  # overflow absorbed by hysteresis: skipped, scale kept
-    (1024.0, 0, 0, 2, 2),  # overflow: hysteresis spent, backs off
-    (512.0, 0, 0, 3, 3),  # overflow: backs off again (tracker stays at 0)
-    (512.0, 1, 0, 3, 0),  # clean
-    (1024.0, 0, 2, 3, 0),  # clean: grows, hysteresis refilled
-    (1024.0, 1, 2, 3, 0),  # clean
+  (1024.0, 1, 2, 0, 0),  # clean
+  (2048.0, 0, 2, 0, 0),  # clean: 2nd in a row, grows; hysteresis refilled
+  (2048.0, 0, 1, 1, 1),  # overflow absorbed by hysteresis: skipped, scale kept
+  (1024.0, 0, 0, 2, 2),  # overflow: hysteresis spent, backs off
+  (512.0, 0, 0, 3, 3),  # overflow: backs off again (tracker stays at 0)
+  (512.0, 1, 0, 3, 0),  # clean
+  (1024.0, 0, 2, 3, 0),  # clean: grows, hysteresis refilled
+  (1024.0, 1, 2, 3, 0),  # clean
 ]
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < N_DEV, reason="needs 8 devices (set by conftest)"
+  jax.device_count() < N_DEV, reason="needs 8 devices (set by conftest)"
 )
 
-AXIS_TYPES = [pytest.param(AxisType.Explicit, id="explicit"),
-              pytest.param(AxisType.Auto, id="auto")]
+AXIS_TYPES = [
+  pytest.param(AxisType.Explicit, id="explicit"),
+  pytest.param(AxisType.Auto, id="auto"),
+]
 
 
 def _mesh(axis_type):
@@ -79,8 +83,11 @@ def _shard_map_impls():
 
 def _make_tx(axis_name=None):
   return jls.dynamic_loss_scale(
-      optax.sgd(2.0**-6, momentum=0.5), init_scale=2.0**10, growth_interval=2,
-      hysteresis=2, axis_name=axis_name,
+    optax.sgd(2.0**-6, momentum=0.5),
+    init_scale=2.0**10,
+    growth_interval=2,
+    hysteresis=2,
+    axis_name=axis_name,
   )
 
 
@@ -108,8 +115,11 @@ def _jit_step(tx):
 
 def _scale_fields(s):
   return (
-      float(s.scale), int(s.growth_tracker), int(s.hysteresis_tracker),
-      int(s.skipped_steps), int(s.consecutive_skips),
+    float(s.scale),
+    int(s.growth_tracker),
+    int(s.hysteresis_tracker),
+    int(s.skipped_steps),
+    int(s.consecutive_skips),
   )
 
 
@@ -172,13 +182,13 @@ def test_jit_named_sharding_matches_single_device(reference, layout, axis_type):
     assert momentum.sharding.is_equivalent_to(param_sharding, 2)
     in_shardings = jax.tree_util.tree_map(lambda x: x.sharding, (params, opt_state))
     step = _jit_step(tx)
-    step = jax.jit(step, in_shardings=(*in_shardings, batch_sharding),
-                   out_shardings=in_shardings)
+    step = jax.jit(step, in_shardings=(*in_shardings, batch_sharding), out_shardings=in_shardings)
     trajectory = []
     for x in xs:
       x = jax.device_put(x, batch_sharding)
-      holders = [s.device for s in x.addressable_shards
-                 if not np.all(np.isfinite(np.asarray(s.data)))]
+      holders = [
+        s.device for s in x.addressable_shards if not np.all(np.isfinite(np.asarray(s.data)))
+      ]
       assert len(holders) in (0, 1)  # a bad value lies in one device's data shard only
       params, opt_state = step(params, opt_state, x)
       _assert_same_on_every_device(opt_state.loss_scale)
@@ -238,12 +248,18 @@ def _shard_map_step(impl, axis_type=AxisType.Auto):
   mesh = _mesh(axis_type)
 
   def make(tx):
-    f = jax.jit(impl(_per_device_step(tx, "d"), mesh=mesh,
-                     in_specs=(P("d"), P("d"), P("d")), out_specs=(P("d"), P("d"))))
+    f = jax.jit(
+      impl(
+        _per_device_step(tx, "d"),
+        mesh=mesh,
+        in_specs=(P("d"), P("d"), P("d")),
+        out_specs=(P("d"), P("d")),
+      )
+    )
 
     def run(w_shards, state, x_shards):
       # Inputs placed as in_specs say (Explicit axes require it; Auto accepts it).
-      split = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))  # noqa: E731
+      split = lambda a: jax.device_put(a, NamedSharding(mesh, P("d")))
       args = (w_shards.reshape(D, K), state, x_shards.reshape(B, D))
       with _in_mesh(mesh):
         w, state = f(*jax.tree_util.tree_map(split, args))
@@ -262,12 +278,14 @@ def _check_per_device(reference, result):
       assert np.all(leaf == leaf[0]), f"devices disagree at step {i}: {s}"
     device0 = jax.tree_util.tree_map(lambda a: a[0], s)
     assert _scale_fields(device0) == ref_trajectory[i], f"step {i}"
-  np.testing.assert_array_equal(np.asarray(w).view(np.uint32),
-                                np.asarray(ref_params["w"]).view(np.uint32))
+  np.testing.assert_array_equal(
+    np.asarray(w).view(np.uint32), np.asarray(ref_params["w"]).view(np.uint32)
+  )
   momentum = jax.tree_util.tree_leaves(state.inner_state)[0]
   ref_momentum = jax.tree_util.tree_leaves(ref_state.inner_state)[0]
-  np.testing.assert_array_equal(np.asarray(momentum).reshape(D, K).view(np.uint32),
-                                np.asarray(ref_momentum).view(np.uint32))
+  np.testing.assert_array_equal(
+    np.asarray(momentum).reshape(D, K).view(np.uint32), np.asarray(ref_momentum).view(np.uint32)
+  )
 
 
 def test_pmap_axis_name_combines_overflow(reference):

@@ -29,10 +29,10 @@ import subprocess
 import sys
 import time
 
+from conftest import import_optional
+from conftest import in_ci
 import numpy as np
 import pytest
-
-from conftest import import_optional, in_ci
 
 import_optional("orbax.checkpoint")  # both skip the file here, and fail under CI=true
 import_optional("flax")
@@ -86,8 +86,11 @@ def launch(jobs, timeout=LAUNCH_TIMEOUT):
       for i in range(n):
         paths.append(os.path.join(out, f"log-{i}.txt"))
         logs.append(open(paths[-1], "w"))
-        procs.append(subprocess.Popen(argv_for(i), stdout=logs[-1], stderr=subprocess.STDOUT,
-                                      env=_env(), cwd=ROOT))
+        procs.append(
+          subprocess.Popen(
+            argv_for(i), stdout=logs[-1], stderr=subprocess.STDOUT, env=_env(), cwd=ROOT
+          )
+        )
     codes = _wait_all(procs, timeout)
   finally:
     for p in procs:
@@ -117,8 +120,20 @@ def launch_workers(*jobs):
 
   def argv_for(tasks, n, out, flags, port):
     extra = [a for k, v in flags.items() for a in (f"--{k}", v)]
-    return lambda i: [sys.executable, WORKER, tasks, "--process-id", str(i),
-                      "--num-processes", str(n), "--port", str(port), "--out", out, *extra]
+    return lambda i: [
+      sys.executable,
+      WORKER,
+      tasks,
+      "--process-id",
+      str(i),
+      "--num-processes",
+      str(n),
+      "--port",
+      str(port),
+      "--out",
+      out,
+      *extra,
+    ]
 
   for attempt in range(2):
     # Free now; another program may take a port before the coordinator does: retry once.
@@ -143,13 +158,14 @@ def runs(tmp_path_factory):
   ckpt = str(base / "ckpt")
   launch_workers(("train", 2, two, {"save": ckpt}))
   # The restores and the 1-process reference run side by side.
-  launch_workers(("resume", 2, fresh, {"restore": ckpt}),
-                 ("train,resume", 1, ref, {"restore": ckpt}))
+  launch_workers(
+    ("resume", 2, fresh, {"restore": ckpt}), ("train,resume", 1, ref, {"restore": ckpt})
+  )
   return {
-      "train": [_load(two, "train", i) for i in range(2)],
-      "resume": [_load(fresh, "resume", i) for i in range(2)],
-      "ref_train": _load(ref, "train", 0),
-      "ref_resume": _load(ref, "resume", 0),
+    "train": [_load(two, "train", i) for i in range(2)],
+    "resume": [_load(fresh, "resume", i) for i in range(2)],
+    "ref_train": _load(ref, "train", 0),
+    "ref_resume": _load(ref, "resume", 0),
   }
 
 
@@ -198,7 +214,8 @@ def test_explicit_and_auto_axes_are_bit_identical_across_processes(runs):
   (_, f0), _ = runs["train"]
   explicit, auto = _keys_of(f0, "fsdp_optax"), _keys_of(f0, "fsdp_optax_auto")
   assert [k.replace("fsdp_optax", "", 1) for k in explicit] == [
-      k.replace("fsdp_optax_auto", "", 1) for k in auto]
+    k.replace("fsdp_optax_auto", "", 1) for k in auto
+  ]
   for k, a in zip(explicit, auto):
     np.testing.assert_array_equal(f0[k], f0[a], err_msg=k)
 
@@ -211,8 +228,9 @@ def test_shard_map_with_axis_name_takes_the_jit_decision(runs):
     assert r["shard_map"]["trajectory"] == r["fsdp_optax"]["trajectory"]
 
 
-@pytest.mark.parametrize("scenario", ["fsdp_optax", "fsdp_optax_auto", "fsdp_trainstate",
-                                      "shard_map"])
+@pytest.mark.parametrize(
+  "scenario", ["fsdp_optax", "fsdp_optax_auto", "fsdp_trainstate", "shard_map"]
+)
 def test_fsdp_leaves_stay_sharded_and_the_scale_state_is_replicated(runs, scenario):
   (r0, _), (r1, _) = runs["train"]
   for r in (r0, r1):
@@ -241,7 +259,7 @@ def test_checkpoint_resumes_in_a_fresh_pair_of_processes(runs, scenario):
     keys = _keys_of(f0, scenario)
     assert sorted(_keys_of(f, scenario)) == keys
     _assert_same_bytes(f0, f, keys)
-    assert r[scenario]["trajectory"] == t0[scenario]["trajectory"][w.SAVE_AT:]
+    assert r[scenario]["trajectory"] == t0[scenario]["trajectory"][w.SAVE_AT :]
     assert r[scenario]["restored_specs"] == t0[scenario]["final_specs"]
 
 
@@ -251,7 +269,7 @@ def test_checkpoint_of_two_processes_resumes_in_one_process_of_eight_devices(run
   r, f = runs["ref_resume"]
   keys = _keys_of(f0, scenario)
   _assert_same_bytes(f0, f, keys)
-  assert r[scenario]["trajectory"] == t0[scenario]["trajectory"][w.SAVE_AT:]
+  assert r[scenario]["trajectory"] == t0[scenario]["trajectory"][w.SAVE_AT :]
   # The skip before the save came through the checkpoint; one more skip after it.
   assert r[scenario]["trajectory"][0][3] == 1 and r[scenario]["trajectory"][-1][3] == 2
 
@@ -274,8 +292,13 @@ def test_eager_init_on_global_params_gives_a_state_orbax_saves(runs):
 def test_host_readers_agree_in_every_process(runs, scenario):
   """``metrics`` and ``check_skips`` on the host, on a state no process fully holds."""
   (r0, _), (r1, _) = runs["train"]
-  expected = {"scale": 512.0, "growth_tracker": 1, "last_step_skipped": False,
-              "skipped_steps": 2, "consecutive_skips": 0}
+  expected = {
+    "scale": 512.0,
+    "growth_tracker": 1,
+    "last_step_skipped": False,
+    "skipped_steps": 2,
+    "consecutive_skips": 0,
+  }
   for r in (r0, r1):
     host = r[scenario]["host"]
     assert host["metrics"] == expected
@@ -295,9 +318,15 @@ def test_example_multi_host_smoke():
   """The example launches its own 2 workers; both print the same loss, scale and skips."""
   env = _env()
   # Its own process group: on a timeout the launcher and its two workers go together.
-  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "multi_host.py"),
-                           "--smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env, cwd=ROOT, start_new_session=True)
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, "examples", "multi_host.py"), "--smoke"],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    start_new_session=True,
+  )
   try:
     out, err = proc.communicate(timeout=LAUNCH_TIMEOUT)
   except subprocess.TimeoutExpired:
@@ -316,8 +345,11 @@ def test_example_multi_host_smoke():
   assert sorted(views) == [0, 1]
   assert views[0] == views[1]  # the same loss, scale and skip count in both processes
   assert views[0][0] == "4 of 8 devices (cpu), 2 processes"
-  final = re.match(r"final loss ([\d.]+) \(first applied step ([\d.]+)\), scale (\d+), "
-                   r"skipped steps (\d+)$", views[0][-1])
+  final = re.match(
+    r"final loss ([\d.]+) \(first applied step ([\d.]+)\), scale (\d+), "
+    r"skipped steps (\d+)$",
+    views[0][-1],
+  )
   assert final, views[0][-1]
   assert float(final.group(1)) < 0.5 * float(final.group(2))
   assert int(final.group(4)) > 0

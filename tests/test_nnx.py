@@ -2,11 +2,11 @@
 
 import inspect
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import jax_lossscale as jls
 
@@ -57,7 +57,7 @@ def _params(model):
 def test_nnx_optimizer_trains_and_reads_the_scale():
   model = Model(nnx.Rngs(0))
   optimizer = make_optimizer(
-      model, jls.dynamic_loss_scale(optax.sgd(0.05), init_scale=2.0**10, growth_interval=3)
+    model, jls.dynamic_loss_scale(optax.sgd(0.05), init_scale=2.0**10, growth_interval=3)
   )
   assert float(jls.get_scale_state(optimizer.opt_state).scale) == 2.0**10
   assert float(jls.scale_loss(jnp.float32(0.5), optimizer.opt_state)) == 2.0**9
@@ -87,7 +87,7 @@ def test_nnx_float16_overflow_skips_and_recovers():
   # float16 params and compute: 2**20 * loss overflows the float16 backward pass.
   model = Model(nnx.Rngs(0), dtype=jnp.float16)
   optimizer = make_optimizer(
-      model, jls.dynamic_loss_scale(optax.sgd(0.01, momentum=0.9), init_scale=2.0**20)
+    model, jls.dynamic_loss_scale(optax.sgd(0.01, momentum=0.9), init_scale=2.0**20)
   )
   inner_before = jax.tree_util.tree_leaves(nnx.as_pure(optimizer.opt_state.inner_state))
   assert all(s.dtype == jnp.float32 for s in inner_before)  # promoted inner state

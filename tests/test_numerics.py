@@ -10,8 +10,28 @@ import jax_lossscale as jls
 from jax_lossscale._numerics import reciprocal
 
 F32 = np.finfo(np.float32)
-FACTORS = [2.0, 0.5, 3.0, 0.25, 1.1, 0.3, 1.5, 0.9, 1.0001, 0.999, 10.0, 0.1,
-           1.0 + 2.0**-30, 1.0 - 2.0**-30, 7.0 / 3.0, 0.7, 65536.0, 1e-5, 4.2, 0.123456789]
+FACTORS = [
+  2.0,
+  0.5,
+  3.0,
+  0.25,
+  1.1,
+  0.3,
+  1.5,
+  0.9,
+  1.0001,
+  0.999,
+  10.0,
+  0.1,
+  1.0 + 2.0**-30,
+  1.0 - 2.0**-30,
+  7.0 / 3.0,
+  0.7,
+  65536.0,
+  1e-5,
+  4.2,
+  0.123456789,
+]
 N_PER_FACTOR = 5000  # 20 factors x 5000 scales = 100,000 pairs
 
 
@@ -21,7 +41,7 @@ def _scales(rng) -> np.ndarray:
   random_bits = rng.integers(0x00800000, 0x7F7FFFFF, size=n - 1200, dtype=np.int64)
   near_min = 0x00800000 + rng.integers(0, 1 << 20, size=300, dtype=np.int64)
   near_max = 0x7F7FFFFF - rng.integers(0, 1 << 20, size=300, dtype=np.int64)
-  powers = (rng.integers(1, 255, size=300, dtype=np.int64) << 23)
+  powers = rng.integers(1, 255, size=300, dtype=np.int64) << 23
   neighbours = powers + rng.choice([-1, 1], size=300)
   bits = np.concatenate([random_bits, near_min, near_max, powers, neighbours])
   bits = np.clip(bits, 0x00800000, 0x7F7FFFFF).astype(np.uint32)
@@ -43,8 +63,8 @@ def test_scale_product_matches_float64_then_float32(factor):
   got = np.asarray(jax.jit(jax.vmap(lambda s: jls.scale_product(s, factor)))(jnp.asarray(scales)))
   mismatch = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
   assert mismatch.size == 0, (
-      f"{mismatch.size} of {scales.size} differ, e.g. scale={scales[mismatch[0]]!r}: "
-      f"{got[mismatch[0]]!r} vs {want[mismatch[0]]!r}"
+    f"{mismatch.size} of {scales.size} differ, e.g. scale={scales[mismatch[0]]!r}: "
+    f"{got[mismatch[0]]!r} vs {want[mismatch[0]]!r}"
   )
 
 
@@ -60,7 +80,9 @@ def _around_threshold():
   base = np.float32(2.0**126).view(np.uint32)
   bits = np.array([base - 2, base - 1, base, base + 1, base + 2], np.uint32)
   top = np.array([0x7F7FFFFF, np.float32(2.0**127).view(np.uint32)], np.uint32)
-  return np.concatenate([bits, top, np.float32([2.0**125, 3.0 * 2.0**125]).view(np.uint32)]).view(np.float32)
+  return np.concatenate([bits, top, np.float32([2.0**125, 3.0 * 2.0**125]).view(np.uint32)]).view(
+    np.float32
+  )
 
 
 @pytest.mark.parametrize("scale", _around_threshold())
@@ -112,7 +134,9 @@ def test_reciprocal_is_correctly_rounded_on_100k_scales():
   inv, shift = jax.jit(jax.vmap(reciprocal))(jnp.asarray(scales))
   big = scales > np.float32(2.0**126)
   want = np.where(big, 2.0**64, 1.0) / scales.astype(np.float64)
-  np.testing.assert_array_equal(np.asarray(shift), np.where(big, np.float32(2.0**64), np.float32(1)))
+  np.testing.assert_array_equal(
+    np.asarray(shift), np.where(big, np.float32(2.0**64), np.float32(1))
+  )
   got, want = np.asarray(inv), want.astype(np.float32)
   mismatch = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
   assert mismatch.size == 0, f"{mismatch.size} differ, e.g. 1/{scales[mismatch[0]]!r}"

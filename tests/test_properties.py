@@ -5,16 +5,16 @@ factor products rounded once to float32 (as torch's ``_amp_update_scale_``).
 Each example runs one jitted ``lax.scan`` over a fixed-length sequence.
 """
 
+from conftest import import_optional
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
-
-from conftest import import_optional
 
 hypothesis = import_optional("hypothesis")
-from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import example  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import jax_lossscale as jls  # noqa: E402
@@ -59,25 +59,31 @@ def reference(config, flags):
 def _run_rule(state, flags):
   def step(s, finite):
     s = jls.update_scale(s, finite)
-    return s, (s.scale, s.growth_tracker, s.hysteresis_tracker, s.skipped_steps,
-               s.consecutive_skips)
+    return s, (
+      s.scale,
+      s.growth_tracker,
+      s.hysteresis_tracker,
+      s.skipped_steps,
+      s.consecutive_skips,
+    )
 
   return jax.lax.scan(step, state, flags)[1]
 
 
 _pow2 = st.integers(-20, 60).map(lambda e: 2.0**e)
 _any_scale = st.floats(1e-3, 1e12, allow_nan=False, allow_infinity=False)
-configs = st.fixed_dictionaries({
+configs = st.fixed_dictionaries(
+  {
     "init_scale": st.one_of(_pow2, _any_scale),
-    "growth_factor": st.one_of(st.sampled_from([2.0, 4.0, 1.5]),
-                               st.floats(1.0001, 10.0)),
+    "growth_factor": st.one_of(st.sampled_from([2.0, 4.0, 1.5]), st.floats(1.0001, 10.0)),
     "backoff_factor": st.one_of(st.sampled_from([0.5, 0.25]), st.floats(0.01, 0.999)),
     "growth_interval": st.integers(1, 6),
     "hysteresis": st.integers(1, 4),
     "min_scale": st.sampled_from([float(TINY), 1e-30, 1.0]),
     "max_scale": st.sampled_from([F32_MAX, 2.0**64, 1e13]),
     "dynamic": st.booleans(),
-})
+  }
+)
 
 
 # float32 scale and float64 factor whose exact product has its 24 bits below
@@ -104,8 +110,16 @@ def test_double_tie_is_one():
 
 
 def _config(**kwargs):
-  base = dict(init_scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=1,
-              hysteresis=1, min_scale=float(TINY), max_scale=F32_MAX, dynamic=True)
+  base = dict(
+    init_scale=1.0,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=1,
+    hysteresis=1,
+    min_scale=float(TINY),
+    max_scale=F32_MAX,
+    dynamic=True,
+  )
   return {**base, **kwargs}
 
 
@@ -113,14 +127,17 @@ def _config(**kwargs):
 # the scale is kept, not capped), next to ones that reach max_scale exactly.
 @example(config=_config(init_scale=2.0**120), flags=[True] * 10 + [False] + [True] * (T - 11))
 @example(config=_config(init_scale=1e12, growth_factor=10.0), flags=[True] * T)
-@example(config=_config(init_scale=3.0, growth_factor=9.7, growth_interval=1, hysteresis=2),
-         flags=([True] * 20 + [False, True]) * 2 + [True] * (T - 44))
+@example(
+  config=_config(init_scale=3.0, growth_factor=9.7, growth_interval=1, hysteresis=2),
+  flags=([True] * 20 + [False, True]) * 2 + [True] * (T - 44),
+)
 @example(config=_config(init_scale=1e12, growth_factor=10.0, max_scale=1e13), flags=[True] * T)
 # Double ties: scale * factor falls exactly halfway in both roundings
 # (float64, then float32), so the result depends on ties-to-even in each.
 @example(config=_config(init_scale=DOUBLE_TIE[0], growth_factor=DOUBLE_TIE[1]), flags=[True] * T)
-@example(config=_config(init_scale=DOUBLE_TIE[0], backoff_factor=DOUBLE_TIE[1] / 2),
-         flags=[False] * T)
+@example(
+  config=_config(init_scale=DOUBLE_TIE[0], backoff_factor=DOUBLE_TIE[1] / 2), flags=[False] * T
+)
 @SETTINGS
 @given(config=configs, flags=st.lists(st.booleans(), min_size=T, max_size=T))
 def test_rule_trajectory_equals_reference(config, flags):
@@ -139,8 +156,11 @@ def test_rule_trajectory_equals_reference(config, flags):
 
 
 _TX = jls.dynamic_loss_scale(
-    optax.chain(optax.clip_by_global_norm(1e3), optax.sgd(1e-3, momentum=0.9)),
-    init_scale=2.0**4, growth_interval=3, hysteresis=2, min_scale=2.0**-20,
+  optax.chain(optax.clip_by_global_norm(1e3), optax.sgd(1e-3, momentum=0.9)),
+  init_scale=2.0**4,
+  growth_interval=3,
+  hysteresis=2,
+  min_scale=2.0**-20,
 )
 
 
@@ -152,22 +172,32 @@ def _run_transform(params, grads_seq):
     params = {"w": params["w"].at[3].set(-0.0)}
     updates, new_state = _TX.update({"w": scaled_grads}, state, params)
     new_params = optax.apply_updates(params, updates)
-    return (new_params, new_state), (params, new_params, state.inner_state,
-                                     new_state.inner_state, new_state.loss_scale)
+    return (new_params, new_state), (
+      params,
+      new_params,
+      state.inner_state,
+      new_state.inner_state,
+      new_state.loss_scale,
+    )
 
   return jax.lax.scan(step, (params, _TX.init(params)), grads_seq)[1]
 
 
 _values = st.one_of(
-    st.floats(-1e6, 1e6),
-    st.floats(-3e38, 3e38),  # finite here, may overflow once unscaled (scale < 1)
-    st.sampled_from([np.inf, -np.inf, np.nan]),
+  st.floats(-1e6, 1e6),
+  st.floats(-3e38, 3e38),  # finite here, may overflow once unscaled (scale < 1)
+  st.sampled_from([np.inf, -np.inf, np.nan]),
 )
 
 
 @SETTINGS
-@given(st.lists(st.lists(st.one_of(st.floats(-1e3, 1e3), _values),
-                         min_size=4, max_size=4), min_size=T, max_size=T))
+@given(
+  st.lists(
+    st.lists(st.one_of(st.floats(-1e3, 1e3), _values), min_size=4, max_size=4),
+    min_size=T,
+    max_size=T,
+  )
+)
 def test_skipped_steps_change_nothing_and_params_stay_finite(grads):
   grads = np.asarray(grads, np.float32)
   params = {"w": jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)}
@@ -184,12 +214,15 @@ def test_skipped_steps_change_nothing_and_params_stay_finite(grads):
     assert np.all(np.isfinite(np.asarray(after["w"][i])))
     if not finite:
       assert np.signbit(np.asarray(after["w"][i])[3]), i
-      np.testing.assert_array_equal(np.asarray(after["w"][i]).view(np.uint32),
-                                    np.asarray(before["w"][i]).view(np.uint32))
-      for a, b in zip(jax.tree_util.tree_leaves(inner_after),
-                      jax.tree_util.tree_leaves(inner_before)):
-        np.testing.assert_array_equal(np.asarray(a[i]).reshape(-1).view(np.uint8),
-                                      np.asarray(b[i]).reshape(-1).view(np.uint8))
+      np.testing.assert_array_equal(
+        np.asarray(after["w"][i]).view(np.uint32), np.asarray(before["w"][i]).view(np.uint32)
+      )
+      for a, b in zip(
+        jax.tree_util.tree_leaves(inner_after), jax.tree_util.tree_leaves(inner_before)
+      ):
+        np.testing.assert_array_equal(
+          np.asarray(a[i]).reshape(-1).view(np.uint8), np.asarray(b[i]).reshape(-1).view(np.uint8)
+        )
   # The scale followed the reference rule on the flags the gradients imply.
   want = reference(_TX.init(params).loss_scale.config, flags)
   assert [np.float32(s) for s in np.asarray(ls.scale)] == [w[0] for w in want]

@@ -59,10 +59,10 @@ def test_seed_001_roundtrip_values():
 def test_seed_001_four_step_table(maybe_jit):
   """init 8, interval 2: [8,16]->[1,2] 8; [inf]->None 4; [4]->[1] 4; [4]->[1] 8."""
   table = [
-      ([8.0, 16.0], [1.0, 2.0], 8.0),
-      ([np.inf], None, 4.0),
-      ([4.0], [1.0], 4.0),
-      ([4.0], [1.0], 8.0),  # divided by 4, the scale used; only then doubled
+    ([8.0, 16.0], [1.0, 2.0], 8.0),
+    ([np.inf], None, 4.0),
+    ([4.0], [1.0], 4.0),
+    ([4.0], [1.0], 8.0),  # divided by 4, the scale used; only then doubled
   ]
 
   @maybe_jit
@@ -86,8 +86,8 @@ def test_seed_001_four_step_table(maybe_jit):
 def test_seed_001_defaults_are_torchs():
   c = jls.DynamicScaleConfig()
   assert (c.init_scale, c.growth_factor, c.backoff_factor, c.growth_interval) == (
-      2.0**16,
-      2.0,
-      0.5,
-      2000,
+    2.0**16,
+    2.0,
+    0.5,
+    2000,
   )

@@ -18,17 +18,18 @@ axes (under ``jax.set_mesh``) and with Auto axes, and:
 import contextlib
 import inspect
 
+from conftest import standard_promotion
+from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jax_lossscale as jls
-from conftest import standard_promotion
 from jax_lossscale.flax import TrainState
 
 N_DEV = 8
@@ -36,8 +37,10 @@ D, K, B = 16, 4, 32
 STEPS = 5
 BAD_STEPS = {0: np.inf, 3: np.nan}  # a skip on the first step (initial params) and later
 SUBNORMAL = np.float32(1e-40)
-AXIS_TYPES = [pytest.param(AxisType.Explicit, id="explicit"),
-              pytest.param(AxisType.Auto, id="auto")]
+AXIS_TYPES = [
+  pytest.param(AxisType.Explicit, id="explicit"),
+  pytest.param(AxisType.Auto, id="auto"),
+]
 SPECS = {"w": P("d", None), "v": P("d"), "b": P()}  # FSDP leaves and a replicated one
 
 pytestmark = pytest.mark.skipif(jax.device_count() < N_DEV, reason="needs 8 devices (conftest)")
@@ -62,9 +65,9 @@ def _data():
   v = rng.uniform(0.5, 1.5, size=D).astype(np.float32)
   v[3], v[12] = SUBNORMAL, -0.0  # in the shards of devices 1 and 6
   params = {
-      "w": (rng.normal(size=(D, K)) / 4).astype(np.float32),
-      "v": v,
-      "b": np.zeros(K, np.float32),
+    "w": (rng.normal(size=(D, K)) / 4).astype(np.float32),
+    "v": v,
+    "b": np.zeros(K, np.float32),
   }
   return xs, params
 
@@ -75,8 +78,7 @@ def _put(mesh, params):
 
 def _loss(params, x, mesh):
   """FSDP: the params are gathered (resharded to replicated) where they are used."""
-  full = jax.tree_util.tree_map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())),
-                                params)
+  full = jax.tree_util.tree_map(lambda a: jax.sharding.reshard(a, NamedSharding(mesh, P())), params)
   h = jnp.tanh((x * full["v"]) @ full["w"] + full["b"])
   return jnp.mean(h**2)
 
@@ -92,8 +94,7 @@ def _spec(a):
 
 def _assert_like_params(tree, params):
   """Each leaf of ``tree`` sharded as the param it belongs to."""
-  for t, p in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params),
-                  strict=True):
+  for t, p in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params), strict=True):
     assert t.shape == p.shape and _spec(t) == _spec(p), (t.shape, t.sharding, p.sharding)
 
 
@@ -119,27 +120,30 @@ def _assert_params_kept(params, params_np):
   assert np.signbit(v[12]) and v[12] == 0.0
   assert v[3] == SUBNORMAL and v[3].view(np.uint32) == SUBNORMAL.view(np.uint32)
   for k in params_np:
-    np.testing.assert_array_equal(np.asarray(params[k]).view(np.uint32),
-                                  params_np[k].view(np.uint32), err_msg=k)
+    np.testing.assert_array_equal(
+      np.asarray(params[k]).view(np.uint32), params_np[k].view(np.uint32), err_msg=k
+    )
 
 
 # -- the Optax wrappers -----------------------------------------------------------------
 
 WRAPPERS = {
-    "dynamic": lambda: jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10,
-                                              growth_interval=2),
-    "static": lambda: jls.static_loss_scale(optax.adam(1e-2), 2.0**8),
-    "none": lambda: jls.no_loss_scale(optax.adam(1e-2)),
-    "multi_steps": lambda: jls.multi_steps(
-        jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2), 2),
+  "dynamic": lambda: jls.dynamic_loss_scale(
+    optax.adam(1e-2), init_scale=2.0**10, growth_interval=2
+  ),
+  "static": lambda: jls.static_loss_scale(optax.adam(1e-2), 2.0**8),
+  "none": lambda: jls.no_loss_scale(optax.adam(1e-2)),
+  "multi_steps": lambda: jls.multi_steps(
+    jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**10, growth_interval=2), 2
+  ),
 }
 # (scale, skipped_steps) after each step. multi_steps: micro-batches 0+1 skipped
 # together (step 1), 2+3 skipped (step 3).
 EXPECTED = {
-    "dynamic": [(512.0, 1), (512.0, 1), (1024.0, 1), (512.0, 2), (512.0, 2)],
-    "static": [(256.0, 1), (256.0, 1), (256.0, 1), (256.0, 2), (256.0, 2)],
-    "none": [(1.0, 1), (1.0, 1), (1.0, 1), (1.0, 2), (1.0, 2)],
-    "multi_steps": [(1024.0, 0), (512.0, 1), (512.0, 1), (256.0, 2), (256.0, 2)],
+  "dynamic": [(512.0, 1), (512.0, 1), (1024.0, 1), (512.0, 2), (512.0, 2)],
+  "static": [(256.0, 1), (256.0, 1), (256.0, 1), (256.0, 2), (256.0, 2)],
+  "none": [(1.0, 1), (1.0, 1), (1.0, 1), (1.0, 2), (1.0, 2)],
+  "multi_steps": [(1024.0, 0), (512.0, 1), (512.0, 1), (256.0, 2), (256.0, 2)],
 }
 
 
@@ -235,8 +239,13 @@ def test_wrappers_explicit_and_auto_are_bit_identical(optax_runs, name):
 @pytest.mark.parametrize("axis_type", AXIS_TYPES)
 def test_metrics_nonfinite_leaves_and_check_skips(optax_runs, axis_type):
   run = optax_runs(axis_type, "dynamic")
-  assert run["metrics"][3] == {"scale": 512.0, "growth_tracker": 0, "last_step_skipped": True,
-                               "skipped_steps": 2, "consecutive_skips": 1}
+  assert run["metrics"][3] == {
+    "scale": 512.0,
+    "growth_tracker": 0,
+    "last_step_skipped": True,
+    "skipped_steps": 2,
+    "consecutive_skips": 1,
+  }
   assert run["metrics"][4]["last_step_skipped"] is False
   # Step 0: x[21, 5] = inf saturates tanh on row 21, so that row's error signal is
   # 0: b's gradient stays finite, w's and v's get inf * 0 = NaN. Step 3: NaN everywhere.
@@ -253,10 +262,8 @@ def test_metrics_nonfinite_leaves_and_check_skips(optax_runs, axis_type):
 def test_scale_loss_keeps_the_loss_sharding(axis_type):
   mesh = _mesh(axis_type)
   with _in_mesh(mesh):
-    state = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**4).init(
-        _put(mesh, _data()[1]))
-    per_example = jax.device_put(jnp.arange(B, dtype=jnp.float16),
-                                 NamedSharding(mesh, P("d")))
+    state = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**4).init(_put(mesh, _data()[1]))
+    per_example = jax.device_put(jnp.arange(B, dtype=jnp.float16), NamedSharding(mesh, P("d")))
     scaled = jax.jit(jls.scale_loss)(per_example, state)
   assert scaled.dtype == jnp.float32 and _spec(scaled) == ("d",)
   np.testing.assert_array_equal(np.asarray(scaled), np.arange(B, dtype=np.float32) * 16)
@@ -264,14 +271,18 @@ def test_scale_loss_keeps_the_loss_sharding(axis_type):
 
 # -- jax_lossscale.flax.TrainState ---------------------------------------------------------
 
+
 def _run_trainstate(axis_type):
   mesh = _mesh(axis_type)
   xs, params_np = _data()
   with _in_mesh(mesh), standard_promotion():
     params = _put(mesh, params_np)
     state = TrainState.create(
-        apply_fn=None, params=params, tx=optax.adam(1e-2),
-        dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**10, growth_interval=2))
+      apply_fn=None,
+      params=params,
+      tx=optax.adam(1e-2),
+      dynamic_scale=jls.DynamicScaleState.create(init_scale=2.0**10, growth_interval=2),
+    )
     _assert_replicated_on((state.step, state.dynamic_scale), mesh)
 
     @jax.jit
@@ -286,22 +297,28 @@ def _run_trainstate(axis_type):
       _assert_like_params(state.params, params)
       if i == 0:
         _assert_params_kept(state.params, params_np)
-      trajectory.append((float(state.dynamic_scale.scale), int(state.dynamic_scale.skipped_steps),
-                         int(state.step)))
+      trajectory.append(
+        (float(state.dynamic_scale.scale), int(state.dynamic_scale.skipped_steps), int(state.step))
+      )
   return mesh, params, state, trajectory
 
 
 def test_trainstate_explicit_and_auto():
   results = [_run_trainstate(t) for t in (AxisType.Explicit, AxisType.Auto)]
   for mesh, params, state, trajectory in results:
-    assert trajectory == [(512.0, 1, 0), (512.0, 1, 1), (1024.0, 1, 2), (512.0, 2, 2),
-                          (512.0, 2, 3)]
+    assert trajectory == [
+      (512.0, 1, 0),
+      (512.0, 1, 1),
+      (1024.0, 1, 2),
+      (512.0, 2, 2),
+      (512.0, 2, 3),
+    ]
     mu_nu = _inner_param_trees(state.opt_state)
     assert len(mu_nu) == 2
     for tree in mu_nu:
       _assert_like_params(tree, params)
     _assert_replicated_on(state.dynamic_scale, mesh)
-  fields = lambda st: (st.step, st.params, st.opt_state, st.dynamic_scale)  # noqa: E731
+  fields = lambda st: (st.step, st.params, st.opt_state, st.dynamic_scale)
   _assert_bit_identical(fields(results[0][2]), fields(results[1][2]))
 
 
@@ -356,11 +373,14 @@ def test_nnx_optimizer_explicit_and_auto(optax_runs):
   results = [_run_nnx(t) for t in (AxisType.Explicit, AxisType.Auto)]
   for mesh, _, state, trajectory in results:
     assert trajectory == EXPECTED["dynamic"]
-    specs = {jax.tree_util.keystr(path): _spec(leaf)
-             for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+    specs = {
+      jax.tree_util.keystr(path): _spec(leaf)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
     for moment in ("mu", "nu"):  # Adam's moments sharded like the params
-      assert {k: specs[f"['opt_state']['inner_state'][0]['{moment}']['{k}'].value"]
-              for k in SPECS} == {"w": ("d",), "v": ("d",), "b": ()}
+      assert {
+        k: specs[f"['opt_state']['inner_state'][0]['{moment}']['{k}'].value"] for k in SPECS
+      } == {"w": ("d",), "v": ("d",), "b": ()}
     scalars = [v for k, v in specs.items() if "loss_scale" in k or k == "['step'].value"]
     assert len(scalars) == 6 and set(scalars) == {()}
     _assert_replicated_on(state["opt_state"]["loss_scale"], mesh)

@@ -9,20 +9,22 @@ step with ``dynamic_loss_scale`` + ``optax.apply_updates``, stock Flax
 ``nnx.Optimizer``.
 """
 
+from conftest import standard_promotion
+from flax import nnx
+from flax.training import train_state
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from flax.training import train_state
+from test_nnx import _update
+from test_nnx import make_optimizer
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax
-from jax_lossscale._skip import LARGE, skip_step, skipped_updates
-
-from conftest import standard_promotion
-from test_nnx import _update, make_optimizer
+from jax_lossscale._skip import LARGE
+from jax_lossscale._skip import skip_step
+from jax_lossscale._skip import skipped_updates
 
 SIZES = {"small": 1000, "large": LARGE}
 _UINT = {2: np.uint16, 4: np.uint32}
@@ -38,8 +40,8 @@ def _edge_values(n: int, dtype) -> jax.Array:
   info = jnp.finfo(dtype)
   tiny_sub = float(info.smallest_subnormal)
   edge = np.array(
-      [tiny_sub, -tiny_sub, 3 * tiny_sub, float(info.tiny) / 2, -0.0, 0.0, 1.0, -2.5],
-      np.float32,
+    [tiny_sub, -tiny_sub, 3 * tiny_sub, float(info.tiny) / 2, -0.0, 0.0, 1.0, -2.5],
+    np.float32,
   )
   values = np.resize(edge, n).astype(dtype)
   assert np.signbit(values[4]) and values[0] != 0  # the edge values are representable
@@ -115,7 +117,7 @@ def test_readme_one_jit_step_keeps_every_bit(maybe_jit, size):
   with standard_promotion():
     new_params, new_state = maybe_jit(train_step)(params, opt_state, _inf_grads(params))
   _assert_bits_equal(
-      new_params, params, subnormals=_jitted(maybe_jit) or not _CPU_EAGER_ADD_FLUSHES
+    new_params, params, subnormals=_jitted(maybe_jit) or not _CPU_EAGER_ADD_FLUSHES
   )
   _assert_bits_equal(new_state.inner_state, opt_state.inner_state)
   assert int(new_state.loss_scale.skipped_steps) == 1
@@ -125,11 +127,11 @@ def test_readme_one_jit_step_keeps_every_bit(maybe_jit, size):
 def test_stock_flax_trainstate_keeps_every_bit(maybe_jit, size):
   params = _params(size)
   state = train_state.TrainState.create(
-      apply_fn=None, params=params, tx=jls.dynamic_loss_scale(optax.sgd(1e-3))
+    apply_fn=None, params=params, tx=jls.dynamic_loss_scale(optax.sgd(1e-3))
   )
   new = maybe_jit(lambda s, g: s.apply_gradients(grads=g))(state, _inf_grads(params))
   _assert_bits_equal(
-      new.params, params, subnormals=_jitted(maybe_jit) or not _CPU_EAGER_ADD_FLUSHES
+    new.params, params, subnormals=_jitted(maybe_jit) or not _CPU_EAGER_ADD_FLUSHES
   )
   assert int(jls.get_scale_state(new.opt_state).skipped_steps) == 1
 
@@ -139,9 +141,9 @@ def test_jls_trainstate_keeps_every_bit(maybe_jit, size):
   params = _params(size)
   state = jls_flax.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1e-3))
   # The issue's reproduction: apply_gradients with finite=False.
-  new = maybe_jit(
-      lambda s, g: s.apply_gradients(grads=g, finite=jnp.array(False))
-  )(state, _inf_grads(params))
+  new = maybe_jit(lambda s, g: s.apply_gradients(grads=g, finite=jnp.array(False)))(
+    state, _inf_grads(params)
+  )
   _assert_bits_equal(new.params, params)
   assert int(new.step) == 0
   # And through value_and_grad with an inf loss.

@@ -43,13 +43,13 @@ def _assert_normal_in_bounds(scales, config):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},  # torch defaults, floor = smallest normal float32
-        {"backoff_factor": 0.3, "growth_factor": 1.7},  # exact-product path
-        {"backoff_factor": 1e-3, "min_scale": 1.0},  # floor of jmp/Megatron
-        {"backoff_factor": 0.5, "min_scale": 3.0, "init_scale": 3.0 * 2**20},
-    ],
+  "kwargs",
+  [
+    {},  # torch defaults, floor = smallest normal float32
+    {"backoff_factor": 0.3, "growth_factor": 1.7},  # exact-product path
+    {"backoff_factor": 1e-3, "min_scale": 1.0},  # floor of jmp/Megatron
+    {"backoff_factor": 0.5, "min_scale": 3.0, "init_scale": 3.0 * 2**20},
+  ],
 )
 def test_downward_storm_stops_exactly_at_the_floor(kwargs):
   state = jls.DynamicScaleState.create(**kwargs)
@@ -61,14 +61,14 @@ def test_downward_storm_stops_exactly_at_the_floor(kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs, ceiling",
-    [
-        ({}, None),  # default max: growth past float32 is blocked (torch): 2**127
-        ({"growth_factor": 1.7}, None),
-        ({"growth_factor": 3.0, "init_scale": 5.0}, None),
-        ({"max_scale": 2.0**20}, np.float32(2.0**20)),  # capped exactly
-        ({"max_scale": 1e6, "growth_factor": 3.0}, np.float32(1e6)),
-    ],
+  "kwargs, ceiling",
+  [
+    ({}, None),  # default max: growth past float32 is blocked (torch): 2**127
+    ({"growth_factor": 1.7}, None),
+    ({"growth_factor": 3.0, "init_scale": 5.0}, None),
+    ({"max_scale": 2.0**20}, np.float32(2.0**20)),  # capped exactly
+    ({"max_scale": 1e6, "growth_factor": 3.0}, np.float32(1e6)),
+  ],
 )
 def test_upward_storm_never_reaches_inf(kwargs, ceiling):
   state = jls.DynamicScaleState.create(growth_interval=1, **kwargs)
@@ -109,8 +109,9 @@ def _nonfinite_grads(i, like):
 def test_ten_thousand_nonfinite_steps_in_one_jitted_scan():
   params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32), "b": jnp.zeros([2], jnp.float32)}
   tx = jls.dynamic_loss_scale(
-      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)),
-      init_scale=2.0**16, growth_interval=3,
+    optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9)),
+    init_scale=2.0**16,
+    growth_interval=3,
   )
   state = tx.init(params)
 
@@ -151,8 +152,8 @@ def test_ten_thousand_nonfinite_steps_in_one_jitted_scan():
 def test_counters_saturate_instead_of_wrapping():
   big = np.iinfo(np.int32).max
   s = jls.DynamicScaleState.create().replace(
-      skipped_steps=jnp.asarray(big - 1, jnp.int32),
-      consecutive_skips=jnp.asarray(big - 1, jnp.int32),
+    skipped_steps=jnp.asarray(big - 1, jnp.int32),
+    consecutive_skips=jnp.asarray(big - 1, jnp.int32),
   )
   for _ in range(3):
     s = jls.update_scale(s, False)

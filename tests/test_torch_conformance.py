@@ -9,44 +9,43 @@ float16 arrays themselves), the updates (= minus the unscaled gradients under SG
 
 import zlib
 
+from conftest import import_torch
 import numpy as np
 import pytest
-
 import torch_side_by_side as sbs
-from conftest import import_torch
 
 pytestmark = pytest.mark.torch
 
 # (name, torch/jax config, steps, sequence options, flush subnormals)
 CONFIGS = [
-    ("defaults", {}, 2300, dict(quiet=(40, 2200), overflow_runs=8), False),
-    ("init8_interval2", dict(init_scale=8.0, growth_interval=2), 400, {}, False),
-    (
-        "growth3_backoff025_interval5",
-        dict(growth_factor=3.0, backoff_factor=0.25, growth_interval=5),
-        400,
-        dict(overflow_runs=25),
-        False,
-    ),
-    # Growth from 2**127 would overflow float32: torch blocks it (scale kept).
-    # Unscaled values below 2**-126 are subnormal: torch keeps them, XLA on CPU
-    # flushes them, so torch's are flushed before comparing; positive gradients
-    # keep the parameters themselves away from subnormals.
-    (
-        "init2p127_interval1",
-        dict(init_scale=2.0**127, growth_interval=1),
-        300,
-        dict(magnitudes=(1e-36, 1e-33), positive=True, overflow_runs=12),
-        True,
-    ),
-    # Factors not representable in float32: torch multiplies in float64.
-    (
-        "growth1.1_backoff0.3_interval3",
-        dict(growth_factor=1.1, backoff_factor=0.3, growth_interval=3),
-        600,
-        dict(overflow_runs=12),
-        False,
-    ),
+  ("defaults", {}, 2300, dict(quiet=(40, 2200), overflow_runs=8), False),
+  ("init8_interval2", dict(init_scale=8.0, growth_interval=2), 400, {}, False),
+  (
+    "growth3_backoff025_interval5",
+    dict(growth_factor=3.0, backoff_factor=0.25, growth_interval=5),
+    400,
+    dict(overflow_runs=25),
+    False,
+  ),
+  # Growth from 2**127 would overflow float32: torch blocks it (scale kept).
+  # Unscaled values below 2**-126 are subnormal: torch keeps them, XLA on CPU
+  # flushes them, so torch's are flushed before comparing; positive gradients
+  # keep the parameters themselves away from subnormals.
+  (
+    "init2p127_interval1",
+    dict(init_scale=2.0**127, growth_interval=1),
+    300,
+    dict(magnitudes=(1e-36, 1e-33), positive=True, overflow_runs=12),
+    True,
+  ),
+  # Factors not representable in float32: torch multiplies in float64.
+  (
+    "growth1.1_backoff0.3_interval3",
+    dict(growth_factor=1.1, backoff_factor=0.3, growth_interval=3),
+    600,
+    dict(overflow_runs=12),
+    False,
+  ),
 ]
 
 

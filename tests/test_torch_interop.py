@@ -2,20 +2,20 @@
 
 import math
 
+from conftest import import_torch
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import import_torch
 
 import jax_lossscale as jls
 
 # Finite (True) / overflow (False) per step; long enough clean runs to grow.
 PATTERN = [True, True, True, False, True, True, True, True, False, False, True, True, True, True]
 CONFIGS = [
-    dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
-    dict(init_scale=3.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=2),
+  dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+  dict(init_scale=3.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=2),
 ]
 
 
@@ -99,12 +99,18 @@ def test_jax_to_torch_mid_run(cfg, fresh_scaler):
 
 
 def test_round_trip_and_values():
-  s = jls.DynamicScaleState.create(init_scale=2.0**5, growth_factor=3.0, backoff_factor=0.25,
-                                   growth_interval=7)
+  s = jls.DynamicScaleState.create(
+    init_scale=2.0**5, growth_factor=3.0, backoff_factor=0.25, growth_interval=7
+  )
   s = s.replace(growth_tracker=jnp.asarray(4, jnp.int32))
   sd = jls.to_torch_state_dict(s)
-  assert sd == {"scale": 32.0, "growth_factor": 3.0, "backoff_factor": 0.25,
-                "growth_interval": 7, "_growth_tracker": 4}
+  assert sd == {
+    "scale": 32.0,
+    "growth_factor": 3.0,
+    "backoff_factor": 0.25,
+    "growth_interval": 7,
+    "_growth_tracker": 4,
+  }
   back = jls.from_torch_state_dict(sd)
   assert back.config == s.config
   for name in ("scale", "growth_tracker", "skipped_steps", "consecutive_skips"):
@@ -118,26 +124,31 @@ def test_round_trip_and_values():
   assert jls.to_torch_state_dict(opt_state)["scale"] == 4.0
 
 
-GOOD = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10,
-        "_growth_tracker": 3}
+GOOD = {
+  "scale": 1024.0,
+  "growth_factor": 2.0,
+  "backoff_factor": 0.5,
+  "growth_interval": 10,
+  "_growth_tracker": 3,
+}
 
 
 @pytest.mark.parametrize(
-    "sd, match",
-    [
-        ({}, "disabled GradScaler"),
-        ([("scale", 1.0)], "sd must be a dict"),
-        ({k: v for k, v in GOOD.items() if k != "_growth_tracker"}, "missing.*_growth_tracker"),
-        ({**GOOD, "step": 3}, "unknown.*step"),
-        ({**GOOD, "scale": "big"}, r"state_dict\['scale'\] must be a real number"),
-        ({**GOOD, "scale": True}, r"state_dict\['scale'\] must be a real number"),
-        ({**GOOD, "scale": math.nan}, r"state_dict\['scale'\] must be finite"),
-        ({**GOOD, "scale": -1.0}, r"state_dict\['scale'\] must be positive"),
-        ({**GOOD, "growth_factor": 0.5}, r"state_dict\['growth_factor'\] must be > 1"),
-        ({**GOOD, "backoff_factor": 1.5}, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
-        ({**GOOD, "growth_interval": 2.5}, r"state_dict\['growth_interval'\] must be an integer"),
-        ({**GOOD, "_growth_tracker": -1}, r"_growth_tracker'\] must be in"),
-    ],
+  "sd, match",
+  [
+    ({}, "disabled GradScaler"),
+    ([("scale", 1.0)], "sd must be a dict"),
+    ({k: v for k, v in GOOD.items() if k != "_growth_tracker"}, "missing.*_growth_tracker"),
+    ({**GOOD, "step": 3}, "unknown.*step"),
+    ({**GOOD, "scale": "big"}, r"state_dict\['scale'\] must be a real number"),
+    ({**GOOD, "scale": True}, r"state_dict\['scale'\] must be a real number"),
+    ({**GOOD, "scale": math.nan}, r"state_dict\['scale'\] must be finite"),
+    ({**GOOD, "scale": -1.0}, r"state_dict\['scale'\] must be positive"),
+    ({**GOOD, "growth_factor": 0.5}, r"state_dict\['growth_factor'\] must be > 1"),
+    ({**GOOD, "backoff_factor": 1.5}, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
+    ({**GOOD, "growth_interval": 2.5}, r"state_dict\['growth_interval'\] must be an integer"),
+    ({**GOOD, "_growth_tracker": -1}, r"_growth_tracker'\] must be in"),
+  ],
 )
 def test_from_torch_state_dict_rejects_bad_input(sd, match):
   with pytest.raises(ValueError, match=match):
@@ -153,20 +164,23 @@ def _torch_0d(value):
 
 
 @pytest.mark.parametrize(
-    "wrap", [np.asarray(0).dtype.type, _numpy_0d, _torch_0d],
-    ids=["numpy-scalar", "numpy-0d-array", "torch-0d-tensor"],
+  "wrap",
+  [np.asarray(0).dtype.type, _numpy_0d, _torch_0d],
+  ids=["numpy-scalar", "numpy-0d-array", "torch-0d-tensor"],
 )
 def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars(wrap):
   sd = {
-      "scale": np.float32(512.0) if wrap is np.asarray(0).dtype.type else wrap(512.0),
-      "growth_factor": wrap(2.0) if wrap is not np.asarray(0).dtype.type else np.float64(2.0),
-      "backoff_factor": 0.5,
-      "growth_interval": wrap(10),
-      "_growth_tracker": wrap(2),
+    "scale": np.float32(512.0) if wrap is np.asarray(0).dtype.type else wrap(512.0),
+    "growth_factor": wrap(2.0) if wrap is not np.asarray(0).dtype.type else np.float64(2.0),
+    "backoff_factor": 0.5,
+    "growth_interval": wrap(10),
+    "_growth_tracker": wrap(2),
   }
   if wrap is not np.asarray(0).dtype.type:
-    assert all(getattr(sd[k], "ndim", None) == 0 and not isinstance(sd[k], (int, float))
-               for k in ("scale", "growth_factor", "growth_interval", "_growth_tracker"))
+    assert all(
+      getattr(sd[k], "ndim", None) == 0 and not isinstance(sd[k], (int, float))
+      for k in ("scale", "growth_factor", "growth_interval", "_growth_tracker")
+    )
   s = jls.from_torch_state_dict(sd)
   assert s.scale.item() == 512.0 and s.growth_tracker.item() == 2
   assert s.config.growth_interval == 10 and s.config.growth_factor == 2.0
@@ -195,11 +209,16 @@ def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
   with pytest.raises(ValueError, match=r"min_scale=1\.0"):
     jls.to_torch_state_dict(jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0))
   # strict=False drops exactly those settings and keeps the rest.
-  lossy = jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0, max_scale=2.0**20,
-                                       hysteresis=3, growth_interval=5)
+  lossy = jls.DynamicScaleState.create(
+    init_scale=8.0, min_scale=1.0, max_scale=2.0**20, hysteresis=3, growth_interval=5
+  )
   assert jls.to_torch_state_dict(lossy, strict=False) == {
-      "scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 5,
-      "_growth_tracker": 0}
+    "scale": 8.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 5,
+    "_growth_tracker": 0,
+  }
   # The defaults (what from_torch_state_dict builds) are what torch holds.
   jls.to_torch_state_dict(jls.from_torch_state_dict(GOOD))
   static = jls.static_loss_scale(optax.sgd(1.0), 128.0).init({"w": jnp.zeros(1)})
@@ -214,7 +233,9 @@ def test_interop_module_does_not_import_torch():
   import subprocess
   import sys
 
-  code = "import sys, jax_lossscale as j; j.to_torch_state_dict(j.DynamicScaleState.create()); " \
-         "print('torch' in sys.modules)"
+  code = (
+    "import sys, jax_lossscale as j; j.to_torch_state_dict(j.DynamicScaleState.create()); "
+    "print('torch' in sys.modules)"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "False"

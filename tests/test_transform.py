@@ -1,5 +1,7 @@
 """The Optax wrappers: skipping, bit-identity, dtypes, recompilation, validation."""
 
+from conftest import import_optional
+from conftest import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,6 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from conftest import import_optional, standard_promotion
 
 chex = import_optional("chex")
 
@@ -36,8 +37,8 @@ def test_assert_bit_identical_tells_signed_zeros_apart():
 
 
 PARAMS = {
-    "w": jnp.array([[0.5, -0.0], [1.5, -2.0]], jnp.float32),  # includes -0.0
-    "b": jnp.array([0.1, -0.2], jnp.float32),
+  "w": jnp.array([[0.5, -0.0], [1.5, -2.0]], jnp.float32),  # includes -0.0
+  "b": jnp.array([0.1, -0.2], jnp.float32),
 }
 
 
@@ -47,13 +48,13 @@ def _large_params():
 
   rng = np.random.default_rng(1)
   return {
-      "w": jnp.asarray(rng.normal(size=(256, LARGE // 128)), jnp.float32),  # 2 * LARGE
-      "b": jnp.zeros((LARGE // 128,), jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(256, LARGE // 128)), jnp.float32),  # 2 * LARGE
+    "b": jnp.zeros((LARGE // 128,), jnp.float32),
   }
 
 
 PARAMS_BY_SIZE = pytest.mark.parametrize(
-    "start_params", [PARAMS, _large_params()], ids=["small", "large"]
+  "start_params", [PARAMS, _large_params()], ids=["small", "large"]
 )
 
 
@@ -70,7 +71,7 @@ def grads_like(params, value):
 
 @PARAMS_BY_SIZE
 def test_skipped_step_leaves_params_and_adam_state_bit_identical(
-    start_params, maybe_jit, adam_promotion
+  start_params, maybe_jit, adam_promotion
 ):
   tx = jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=4.0, growth_interval=3)
   state = tx.init(start_params)
@@ -108,7 +109,7 @@ def test_clean_steps_equal_inner_on_unscaled_grads(start_params, maybe_jit, adam
   rng = np.random.default_rng(0)
   for _ in range(5):
     g = jax.tree_util.tree_map(
-        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), start_params
+      lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), start_params
     )
     scaled = jax.tree_util.tree_map(lambda x: x * jnp.float32(1024.0), g)  # exact (power of 2)
     u_tx, s_tx = maybe_jit(tx.update)(scaled, s_tx, p_tx)
@@ -116,7 +117,9 @@ def test_clean_steps_equal_inner_on_unscaled_grads(start_params, maybe_jit, adam
     p_tx, p_in = optax.apply_updates(p_tx, u_tx), optax.apply_updates(p_in, u_in)
   if maybe_jit is jax.jit:
     # Two different XLA programs may contract multiply-adds differently.
-    for a, b in zip(jax.tree_util.tree_leaves((p_tx, s_tx.inner_state)), jax.tree_util.tree_leaves((p_in, s_in))):
+    for a, b in zip(
+      jax.tree_util.tree_leaves((p_tx, s_tx.inner_state)), jax.tree_util.tree_leaves((p_in, s_in))
+    ):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
   else:
     assert_bit_identical(p_tx, p_in)
@@ -141,8 +144,9 @@ def test_clean_step_with_plus_zero_first_outputs_advances_the_state(maybe_jit, a
   np.testing.assert_array_equal(updates["w"][1:], 1.0)
   # TrainState path: the output is the new params; a zero bias whose first unit
   # gets no gradient stays +0.0 (0.0 + -0.0).
-  ts = TrainState.create(apply_fn=None, params={"b": jnp.zeros((n,), jnp.float32)},
-                         tx=optax.adam(0.5))
+  ts = TrainState.create(
+    apply_fn=None, params={"b": jnp.zeros((n,), jnp.float32)}, tx=optax.adam(0.5)
+  )
   ts = maybe_jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, {"b": grads / 4.0})
   assert np.asarray(ts.params["b"]).view(np.uint32)[0] == 0
   assert int(ts.step) == 1 and int(ts.opt_state[0].count) == 1
@@ -192,7 +196,9 @@ def test_extra_args_pass_through_to_inner():
   np.testing.assert_array_equal(updates["b"], [3.0, 3.0])
   # Inside optax.chain, extra args reach the wrapped transformation too.
   chained = optax.chain(optax.identity(), tx)
-  updates, _ = chained.update(grads_like(PARAMS, 2.0), chained.init(PARAMS), PARAMS, value=jnp.float32(5.0))
+  updates, _ = chained.update(
+    grads_like(PARAMS, 2.0), chained.init(PARAMS), PARAMS, value=jnp.float32(5.0)
+  )
   np.testing.assert_array_equal(updates["b"], [5.0, 5.0])
 
 
@@ -209,7 +215,9 @@ def test_dtypes_of_updates_inner_state_and_unscaled(dtype, maybe_jit, adam_promo
   assert state.inner_state[0].mu["w"].dtype == jnp.float32
   unscaled, _ = jls.unscale_and_check(grads, state.loss_scale)
   assert unscaled["w"].dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(state.inner_state[0].mu["w"]), np.full(3, 0.1 * 2.0**-5, np.float32))
+  np.testing.assert_array_equal(
+    np.asarray(state.inner_state[0].mu["w"]), np.full(3, 0.1 * 2.0**-5, np.float32)
+  )
 
 
 def test_tiny_float16_gradients_survive_in_float32():
@@ -224,7 +232,12 @@ def test_tiny_float16_gradients_survive_in_float32():
 
 
 def test_non_float_and_none_leaves_pass_through():
-  grads = {"f": jnp.array([2.0, 4.0]), "i": jnp.array([3, 4], jnp.int32), "b": jnp.array(True), "n": None}
+  grads = {
+    "f": jnp.array([2.0, 4.0]),
+    "i": jnp.array([3, 4], jnp.int32),
+    "b": jnp.array(True),
+    "n": None,
+  }
   out, ok = jls.unscale_and_check(grads, 2.0)
   assert bool(ok)
   assert out["i"] is grads["i"] and out["b"] is grads["b"] and out["n"] is None
@@ -257,8 +270,9 @@ def test_growth_when_the_tracker_reaches_or_passes_the_interval(tracker, maybe_j
   tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, growth_interval=3)
   p = {"w": jnp.zeros(2, jnp.float32)}
   state = tx.init(p)
-  state = state._replace(loss_scale=state.loss_scale.replace(
-      growth_tracker=jnp.asarray(tracker, jnp.int32)))
+  state = state._replace(
+    loss_scale=state.loss_scale.replace(growth_tracker=jnp.asarray(tracker, jnp.int32))
+  )
   u, state = maybe_jit(tx.update)({"w": jnp.full(2, 8.0, jnp.float32)}, state, p)
   np.testing.assert_array_equal(u["w"], [-1.0, -1.0])  # unscaled by 8, the scale used
   assert float(state.loss_scale.scale) == 16.0 and int(state.loss_scale.growth_tracker) == 0
@@ -292,16 +306,16 @@ def test_scale_loss_promotes_half_precision():
 def test_get_scale_state_through_nested_optax_states():
   base = jls.dynamic_loss_scale(optax.adam(1e-3), init_scale=32.0)
   wrapped = [
-      optax.chain(optax.clip(1.0), base),
-      optax.MultiSteps(base, every_k_schedule=2),
-      optax.masked(base, {"w": True, "b": False}),
-      optax.partition({"a": base, "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}),
+    optax.chain(optax.clip(1.0), base),
+    optax.MultiSteps(base, every_k_schedule=2),
+    optax.masked(base, {"w": True, "b": False}),
+    optax.partition({"a": base, "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}),
   ]
   for tx in wrapped:
     state = tx.init(PARAMS)
     assert float(jls.get_scale_state(state).scale) == 32.0
   hyper = optax.inject_hyperparams(
-      lambda learning_rate: jls.dynamic_loss_scale(optax.sgd(learning_rate), init_scale=32.0)
+    lambda learning_rate: jls.dynamic_loss_scale(optax.sgd(learning_rate), init_scale=32.0)
   )(learning_rate=0.1)
   assert float(jls.get_scale_state(hyper.init(PARAMS)).scale) == 32.0
   with pytest.raises(ValueError, match="No DynamicScaleState"):
@@ -312,31 +326,31 @@ def test_get_scale_state_through_nested_optax_states():
 
 
 @pytest.mark.parametrize(
-    "kwargs,name",
-    [
-        (dict(growth_factor=1.0), "growth_factor"),
-        (dict(growth_factor=0.5), "growth_factor"),
-        (dict(growth_factor=float("inf")), "growth_factor"),
-        (dict(backoff_factor=1.0), "backoff_factor"),
-        (dict(backoff_factor=0.0), "backoff_factor"),
-        (dict(backoff_factor=-0.5), "backoff_factor"),
-        (dict(growth_interval=0), "growth_interval"),
-        (dict(growth_interval=2.5), "growth_interval"),
-        (dict(growth_interval=True), "growth_interval"),
-        (dict(init_scale=0.0), "init_scale"),
-        (dict(init_scale=-1.0), "init_scale"),
-        (dict(init_scale=float("nan")), "init_scale"),
-        (dict(init_scale=float("inf")), "init_scale"),
-        (dict(init_scale=1e39), "init_scale"),
-        (dict(init_scale="8"), "init_scale"),
-        (dict(min_scale=0.0), "min_scale"),
-        (dict(min_scale=1e-40), "min_scale"),
-        (dict(min_scale=float("nan")), "min_scale"),
-        (dict(init_scale=1.0, min_scale=2.0), "min_scale"),
-        (dict(max_scale=float("inf")), "max_scale"),
-        (dict(init_scale=4.0, max_scale=2.0), "init_scale"),
-        (dict(hysteresis=0), "hysteresis"),
-    ],
+  "kwargs,name",
+  [
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(growth_factor=0.5), "growth_factor"),
+    (dict(growth_factor=float("inf")), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(backoff_factor=-0.5), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(growth_interval=2.5), "growth_interval"),
+    (dict(growth_interval=True), "growth_interval"),
+    (dict(init_scale=0.0), "init_scale"),
+    (dict(init_scale=-1.0), "init_scale"),
+    (dict(init_scale=float("nan")), "init_scale"),
+    (dict(init_scale=float("inf")), "init_scale"),
+    (dict(init_scale=1e39), "init_scale"),
+    (dict(init_scale="8"), "init_scale"),
+    (dict(min_scale=0.0), "min_scale"),
+    (dict(min_scale=1e-40), "min_scale"),
+    (dict(min_scale=float("nan")), "min_scale"),
+    (dict(init_scale=1.0, min_scale=2.0), "min_scale"),
+    (dict(max_scale=float("inf")), "max_scale"),
+    (dict(init_scale=4.0, max_scale=2.0), "init_scale"),
+    (dict(hysteresis=0), "hysteresis"),
+  ],
 )
 def test_bad_config_raises_value_error_naming_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=name):
@@ -358,7 +372,10 @@ def test_bad_arguments_of_the_functions():
 
 def test_static_and_disabled_scaling_keep_the_scale(maybe_jit):
   p = jnp.zeros(2)
-  for tx, scale in [(jls.static_loss_scale(optax.sgd(1.0), 256.0), 256.0), (jls.no_loss_scale(optax.sgd(1.0)), 1.0)]:
+  for tx, scale in [
+    (jls.static_loss_scale(optax.sgd(1.0), 256.0), 256.0),
+    (jls.no_loss_scale(optax.sgd(1.0)), 1.0),
+  ]:
     state = tx.init(p)
     update = maybe_jit(tx.update)
     for value in [1.0, jnp.inf, 1.0]:

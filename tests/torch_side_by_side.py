@@ -10,7 +10,6 @@ arrays themselves with ``grad_dtype``), and records everything that must match.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +25,10 @@ SHAPES = ((5,), (3, 4), (2, 2, 2), ())
 class Step:
   """One step's true gradients and the inf/NaN forced into some of its leaves."""
 
-  true: List[np.ndarray]  # float32
-  poison: List[tuple]  # (leaf, flat position, value)
+  true: list[np.ndarray]  # float32
+  poison: list[tuple]  # (leaf, flat position, value)
 
-  def scaled(self, scale) -> List[np.ndarray]:
+  def scaled(self, scale) -> list[np.ndarray]:
     """float16(true * scale), as a float16 backward pass would produce them.
 
     Values above 65504 overflow to inf and tiny ones flush to 0 naturally, so
@@ -45,15 +44,15 @@ class Step:
 
 
 def make_sequence(
-    seed: int,
-    steps: int,
-    *,
-    overflow_runs: int = 6,
-    max_run: int = 4,
-    quiet: Optional[tuple] = None,
-    magnitudes: tuple = (1e-9, 1e2),
-    positive: bool = False,
-) -> List[Step]:
+  seed: int,
+  steps: int,
+  *,
+  overflow_runs: int = 6,
+  max_run: int = 4,
+  quiet: tuple | None = None,
+  magnitudes: tuple = (1e-9, 1e2),
+  positive: bool = False,
+) -> list[Step]:
   """A seeded sequence of true gradient pytrees (lists of leaves).
 
   Magnitudes are log-uniform in ``magnitudes``. Besides natural overflow,
@@ -79,21 +78,23 @@ def make_sequence(
         continue
       for i in rng.choice(len(SHAPES), size=int(rng.integers(1, len(SHAPES) + 1)), replace=False):
         size = int(np.prod(SHAPES[i], dtype=np.int64))
-        seq[t].poison.append((int(i), int(rng.integers(0, size)), rng.choice([np.inf, -np.inf, np.nan])))
+        seq[t].poison.append(
+          (int(i), int(rng.integers(0, size)), rng.choice([np.inf, -np.inf, np.nan]))
+        )
   return seq
 
 
 @dataclasses.dataclass
 class Trace:
-  skipped: List[bool]
-  scale: List[np.float32]
-  tracker: List[int]
-  unscaled: List[List[np.ndarray]]  # every step, as unscaling produced them
-  params: List[List[np.ndarray]]
-  updates: Optional[List[List[np.ndarray]]] = None  # jax only
+  skipped: list[bool]
+  scale: list[np.float32]
+  tracker: list[int]
+  unscaled: list[list[np.ndarray]]  # every step, as unscaling produced them
+  params: list[list[np.ndarray]]
+  updates: list[list[np.ndarray]] | None = None  # jax only
 
 
-def run_torch(seq, config: Dict, device: str = "cpu") -> Trace:
+def run_torch(seq, config: dict, device: str = "cpu") -> Trace:
   import torch
 
   params = [torch.zeros(s, dtype=torch.float32, device=device, requires_grad=True) for s in SHAPES]
@@ -117,7 +118,7 @@ def run_torch(seq, config: Dict, device: str = "cpu") -> Trace:
   return out
 
 
-def run_jax(seq, config: Dict, *, jit: bool = True, device=None, grad_dtype=np.float32) -> Trace:
+def run_jax(seq, config: dict, *, jit: bool = True, device=None, grad_dtype=np.float32) -> Trace:
   """The same sequence through ``dynamic_loss_scale(optax.sgd(1.0))``.
 
   ``grad_dtype=np.float16`` feeds the float16 gradient arrays themselves (as a
@@ -166,7 +167,9 @@ def assert_same_bits(a, b, what: str, flush: bool = False):
   # NaN payloads may differ; everything else must match bit for bit.
   both_nan = np.isnan(a) & np.isnan(b)
   diff = (a.view(np.int32) != b.view(np.int32)) & ~both_nan
-  assert not diff.any(), f"{what}: {diff.sum()} elements differ, e.g. jax={a[diff][:3]} torch={b[diff][:3]}"
+  assert not diff.any(), (
+    f"{what}: {diff.sum()} elements differ, e.g. jax={a[diff][:3]} torch={b[diff][:3]}"
+  )
 
 
 def compare(jx: Trace, tr: Trace, *, flush: bool = False) -> int:
@@ -174,9 +177,13 @@ def compare(jx: Trace, tr: Trace, *, flush: bool = False) -> int:
   assert len(jx.scale) == len(tr.scale)
   for t in range(len(tr.scale)):
     where = f"step {t}"
-    assert jx.skipped[t] == tr.skipped[t], f"{where}: skip jax={jx.skipped[t]} torch={tr.skipped[t]}"
+    assert jx.skipped[t] == tr.skipped[t], (
+      f"{where}: skip jax={jx.skipped[t]} torch={tr.skipped[t]}"
+    )
     assert_same_bits(jx.scale[t], tr.scale[t], f"{where}: scale")
-    assert jx.tracker[t] == tr.tracker[t], f"{where}: tracker jax={jx.tracker[t]} torch={tr.tracker[t]}"
+    assert jx.tracker[t] == tr.tracker[t], (
+      f"{where}: tracker jax={jx.tracker[t]} torch={tr.tracker[t]}"
+    )
     for i, (u, v) in enumerate(zip(jx.unscaled[t], tr.unscaled[t])):
       assert_same_bits(u, v, f"{where}: unscaled leaf {i}", flush)
     for i, (u, v) in enumerate(zip(jx.updates[t], tr.unscaled[t])):
