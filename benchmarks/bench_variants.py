@@ -268,7 +268,7 @@ def jls_with_diagnostics(loss_fn):
   stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
 
   def diagnose(grads, opt_state):
-    return jls.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)
+    return jls.diagnostics.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)
 
   def init(p):
     opt_state = stx.init(p)

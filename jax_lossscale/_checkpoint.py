@@ -38,7 +38,7 @@ def scale_config_metadata(tree: Any) -> dict[str, Any]:
 
   Examples:
     >>> import jax_lossscale as jls
-    >>> meta = jls.scale_config_metadata({"scaler": jls.DynamicScaleState.create(hysteresis=2)})
+    >>> meta = jls.checkpoint.scale_config_metadata({"scaler": jls.DynamicScaleState.create(hysteresis=2)})
     >>> meta["configs"]["['scaler']"]["hysteresis"]
     2
   """
@@ -71,9 +71,9 @@ def check_scale_config(tree: Any, metadata: dict[str, Any], *, ignore: Iterable[
 
   Examples:
     >>> import jax_lossscale as jls
-    >>> saved = jls.scale_config_metadata(jls.DynamicScaleState.create(growth_interval=100))
-    >>> jls.check_scale_config(jls.DynamicScaleState.create(growth_interval=100), saved)
-    >>> jls.check_scale_config(jls.DynamicScaleState.create(), saved)
+    >>> saved = jls.checkpoint.scale_config_metadata(jls.DynamicScaleState.create(growth_interval=100))
+    >>> jls.checkpoint.check_scale_config(jls.DynamicScaleState.create(growth_interval=100), saved)
+    >>> jls.checkpoint.check_scale_config(jls.DynamicScaleState.create(), saved)
     Traceback (most recent call last):
       ...
     ValueError: Loss-scale config mismatch at '': growth_interval was 100 when the checkpoint was saved, is 2000 now. Pass ignore=('growth_interval',) if the change is deliberate.

@@ -70,7 +70,7 @@ def grad_leaf_names(grads: Any) -> list[str]:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale import grad_leaf_names
+    >>> from jax_lossscale.diagnostics import grad_leaf_names
     >>> grad_leaf_names({"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(2)}, "step": 1})
     ['dense/bias', 'dense/kernel']
   """
@@ -145,7 +145,7 @@ def grad_diagnostics(scaled_grads: Any, scale: Any) -> dict[str, jax.Array]:
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from jax_lossscale import grad_diagnostics, grad_leaf_names
+    >>> from jax_lossscale.diagnostics import grad_diagnostics, grad_leaf_names
     >>> g = {"a": jnp.array([4.0, 0.0], jnp.float16), "b": jnp.array([16376.0, 1e-7])}
     >>> d = jax.jit(grad_diagnostics)(g, 4.0)
     >>> d["a/max_abs"].item(), d["a/subnormal_or_zero"].item(), d["b/headroom"].item()
@@ -299,7 +299,7 @@ def check_underflow(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale import check_underflow
+    >>> from jax_lossscale.diagnostics import check_underflow
     >>> def loss_fn(p, batch, dtype):  # a tiny loss: gradients ~1e-9
     ...   return 1e-9 * jnp.sum(batch.astype(dtype) * p["w"].astype(dtype)).astype(jnp.float32)
     >>> report = check_underflow(loss_fn, {"w": jnp.ones(3)}, jnp.array([1.0, 2.0, 3.0]))

@@ -72,7 +72,7 @@ def nonfinite_leaves(grads: Any) -> Any:
   Examples:
     >>> import jax.numpy as jnp
     >>> import jax_lossscale as jls
-    >>> jls.nonfinite_leaves({"dense": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)})
+    >>> jls.diagnostics.nonfinite_leaves({"dense": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)})
     {'bias': Array(False, dtype=bool), 'dense': Array(True, dtype=bool)}
   """
 

@@ -68,7 +68,7 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
   Examples:
     >>> import jax_lossscale as jls
     >>> s = jls.DynamicScaleState.create(init_scale=1024.0, growth_interval=100)
-    >>> jls.to_torch_state_dict(s)
+    >>> jls.torch.to_torch_state_dict(s)
     {'scale': 1024.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 100, '_growth_tracker': 0}
   """
   s = get_scale_state(state)
@@ -139,7 +139,7 @@ def from_torch_state_dict(
   :class:`jax_lossscale.flax.TrainState`, or put it into an optimizer state
   made by :func:`dynamic_loss_scale` with the same settings::
 
-    opt_state = opt_state._replace(loss_scale=jls.from_torch_state_dict(sd))
+    opt_state = opt_state._replace(loss_scale=jls.torch.from_torch_state_dict(sd))
 
   Args:
     sd: the dict returned by ``GradScaler.state_dict()``, with keys
@@ -160,7 +160,7 @@ def from_torch_state_dict(
     >>> import jax_lossscale as jls
     >>> sd = {"scale": 32768.0, "growth_factor": 2.0, "backoff_factor": 0.5,
     ...       "growth_interval": 2000, "_growth_tracker": 17}
-    >>> s = jls.from_torch_state_dict(sd)
+    >>> s = jls.torch.from_torch_state_dict(sd)
     >>> s.scale, s.growth_tracker
     (Array(32768., dtype=float32), Array(17, dtype=int32))
   """
