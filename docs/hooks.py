@@ -82,9 +82,7 @@ def on_files(files, config, **kwargs):
   from mkdocs.structure.files import File
 
   for png in sorted((_root(config) / "examples" / "assets").glob("*.png")):
-    files.append(
-      File.generated(config, f"assets/{png.name}", abs_src_path=str(png))
-    )
+    files.append(File.generated(config, f"assets/{png.name}", abs_src_path=str(png)))
   return files
 
 
