@@ -18,11 +18,12 @@ from typing import Iterable
 
 from jax_lossscale._state import DynamicScaleConfig
 from jax_lossscale._state import scale_states
+from jax_lossscale._typing import ScaleSource
 
 _FORMAT = 1
 
 
-def scale_config_metadata(tree: Any) -> dict[str, Any]:
+def scale_config_metadata(tree: ScaleSource) -> dict[str, Any]:
   """The static configs of every :class:`DynamicScaleState` in ``tree``, as JSON.
 
   Args:
@@ -51,7 +52,9 @@ def scale_config_metadata(tree: Any) -> dict[str, Any]:
   }
 
 
-def check_scale_config(tree: Any, metadata: dict[str, Any], *, ignore: Iterable[str] = ()) -> None:
+def check_scale_config(
+  tree: ScaleSource, metadata: dict[str, Any], *, ignore: Iterable[str] = ()
+) -> None:
   """Checks that ``tree``'s scaler configs equal those recorded in ``metadata``.
 
   Call it with the restore target (or the restored state) and the dict that

@@ -10,10 +10,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import unscale_and_check
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import DTypeLike
+from jax_lossscale._typing import PyTree
+from jax_lossscale._typing import ScaleLike
 
 FLOAT16_MAX = np.float32(65504.0)
 # Smallest normal float16 (2**-14 ~ 6.1e-5): magnitudes below it are float16
@@ -53,7 +58,7 @@ def _named_float_leaves(tree: Any) -> list[tuple[str, Any]]:
   return out
 
 
-def grad_leaf_names(grads: Any) -> list[str]:
+def grad_leaf_names(grads: PyTree) -> list[str]:
   """Names of the floating-point leaves of ``grads``, as :func:`grad_diagnostics` keys them.
 
   A host-side helper: ``grad_leaf_names(grads)[int(d["min_headroom_leaf"])]``
@@ -101,7 +106,7 @@ def _leaf_reduction(g: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
   return jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
 
 
-def grad_diagnostics(scaled_grads: Any, scale: Any) -> dict[str, jax.Array]:
+def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> dict[str, jax.Array]:
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
@@ -256,12 +261,12 @@ class UnderflowReport(NamedTuple):
 
 
 def check_underflow(
-  loss_fn: Callable[[Any, Any, Any], Any],
-  params: Any,
-  batch: Any,
+  loss_fn: Callable[[optax.Params, PyTree, DTypeLike], ArrayLike],
+  params: optax.Params,
+  batch: PyTree,
   *,
-  scale: Any = 2.0**16,
-  half_dtype: Any = jnp.float16,
+  scale: ScaleLike = 2.0**16,
+  half_dtype: DTypeLike = jnp.float16,
 ) -> UnderflowReport:
   """A one-off check of one batch: does float16 flush this model's gradients to zero?
 

@@ -18,6 +18,7 @@ from jax_lossscale._state import check_growth_factor
 from jax_lossscale._state import check_growth_interval
 from jax_lossscale._state import check_init_scale
 from jax_lossscale._state import get_scale_state
+from jax_lossscale._typing import ScaleSource
 
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -37,7 +38,7 @@ def _host_scalar(name: str, x: Any) -> np.ndarray:
   return value
 
 
-def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
+def to_torch_state_dict(state: ScaleSource, *, strict: bool = True) -> dict[str, Any]:
   """The scaler state as ``torch.amp.GradScaler.state_dict()`` would write it.
 
   Pass the result to ``GradScaler.load_state_dict`` (or save it in a torch
