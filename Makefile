@@ -89,11 +89,11 @@ $(DOCS_STAMP): pyproject.toml | $(PY)
 # parse, a public name without an API entry) fails the build. Then every internal link of the
 # built site is checked, offline (external URLs are not followed).
 docs: $(DOCS_STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 	$(VENV)/bin/linkchecker --no-status --ignore-url='^(https?|mailto):' site/index.html
 
 docs-serve: $(DOCS_STAMP)
-	$(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
 DIST_STAMP := $(VENV)/.installed-build
 DIST_VENV  ?= build/dist-check-venv

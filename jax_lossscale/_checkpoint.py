@@ -30,7 +30,7 @@ def scale_config_metadata(tree: ScaleSource) -> dict[str, Any]:
     tree: a train state, optimizer state or any pytree holding scale states.
 
   Returns:
-    A JSON-serialisable dict ``{"format": 1, "configs": {path: {field:
+    dict: A JSON-serialisable dict ``{"format": 1, "configs": {path: {field:
     value}}}``, ``path`` being the ``jax.tree_util.keystr`` of each state.
     Floats are Python floats, which JSON round-trips exactly.
 

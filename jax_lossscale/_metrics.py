@@ -29,7 +29,7 @@ def metrics(state: ScaleSource) -> dict[str, jax.Array]:
     state: a :class:`DynamicScaleState` or any tree holding exactly one.
 
   Returns:
-    ``{"scale": float32[], "growth_tracker": int32[],
+    dict: ``{"scale": float32[], "growth_tracker": int32[],
     "last_step_skipped": bool[], "skipped_steps": int32[],
     "consecutive_skips": int32[]}``.
 

@@ -58,7 +58,7 @@ def to_torch_state_dict(state: ScaleSource, *, strict: bool = True) -> dict[str,
     strict: refuse settings that torch would silently lose.
 
   Returns:
-    ``{"scale": float, "growth_factor": float, "backoff_factor": float,
+    dict: ``{"scale": float, "growth_factor": float, "backoff_factor": float,
     "growth_interval": int, "_growth_tracker": int}`` (Python numbers, as
     torch writes them).
 

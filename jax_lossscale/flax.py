@@ -273,7 +273,7 @@ class TrainState(train_state.TrainState):
         replaced whether or not the step is skipped.
 
     Returns:
-      The new state: on a finite step ``step + 1`` and updated ``params`` and
+      TrainState: the new state. On a finite step ``step + 1`` and updated ``params`` and
       ``opt_state``; on a skipped step those three bit-identical. In both
       cases ``dynamic_scale`` advanced by :func:`jax_lossscale.update_scale`.
 
