@@ -182,3 +182,37 @@ def test_missing_test_dependencies_fail_in_ci_and_skip_elsewhere(tmp_path):
   assert "2 failed, 1 skipped, 1 error" in ci, ci
   local = _run_missing_dependency_tests(tmp_path, ci=False)
   assert "4 skipped" in local and "failed" not in local and "error" not in local, local
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_package_its_license_and_only_the_runtime_dependencies(tmp_path):
+  """The wheel pip builds from this tree (offline; ``make dist-check`` installs it for real)."""
+  import email
+  import subprocess
+  import zipfile
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run(
+    [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    + ["--wheel-dir", str(tmp_path), str(root)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr
+  (wheel,) = tmp_path.glob("jax_lossscale-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    names = set(z.namelist())
+    (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    meta = email.message_from_bytes(z.read(meta_name))
+  for module in ("__init__", "torch", "diagnostics", "checkpoint", "flax", "_transform"):
+    assert f"jax_lossscale/{module}.py" in names
+  assert "jax_lossscale/py.typed" in names
+  assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+  assert not any(n.startswith(("tests/", "docs/", "examples/")) for n in names)
+  assert meta["Version"] == jls.__version__
+  assert meta["License-Expression"] == "Apache-2.0"
+  urls = {u.split(",")[0] for u in meta.get_all("Project-URL")}
+  assert {"Homepage", "Documentation", "Repository", "Changelog"} <= urls
+  runtime = sorted(r.split(">")[0] for r in meta.get_all("Requires-Dist") if "extra ==" not in r)
+  assert runtime == ["jax", "numpy", "optax"]
