@@ -257,7 +257,7 @@ def cond_reference(loss_fn):
 @variant(
   "jls_diagnostics",
   "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
-  requires=("jax_lossscale:grad_diagnostics",),
+  requires=("jax_lossscale.diagnostics:grad_diagnostics",),
 )
 def jls_with_diagnostics(loss_fn):
   """The ``jax_lossscale`` step plus the per-layer diagnostics of every step.
