@@ -11,18 +11,20 @@ from typing import Any
 from jax.typing import ArrayLike as ArrayLike
 from jax.typing import DTypeLike as DTypeLike
 
-#: A pytree of arrays (nested tuples, lists, dicts, dataclasses; ``None`` is an empty subtree).
 PyTree = Any
+"""A pytree of arrays (nested tuples, lists, dicts, dataclasses; ``None`` is an empty subtree)."""
 
-#: Anything that holds exactly one :class:`DynamicScaleState`: the state itself, an optimizer
-#: state of :func:`dynamic_loss_scale`, a Flax ``TrainState``, an ``nnx.Optimizer``'s
-#: ``opt_state``, or any pytree around one of them.
 ScaleSource = Any
+"""Anything that holds exactly one ``DynamicScaleState``.
 
-#: The scale to use: a :data:`ScaleSource`, or the scale itself as a float32 scalar.
+The state itself, an optimizer state of ``dynamic_loss_scale``, a Flax ``TrainState``, an
+``nnx.Optimizer``'s ``opt_state``, or any pytree around one of them.
+"""
+
 ScaleLike = Any
+"""The scale to use: a ``ScaleSource``, or the scale itself as a float32 scalar."""
 
-#: A named mesh axis of ``pmap``/``shard_map`` (a string, or a tuple of them).
 AxisName = Hashable
+"""A named mesh axis of ``pmap``/``shard_map`` (a string, or a tuple of them)."""
 
 __all__ = ("ArrayLike", "AxisName", "DTypeLike", "PyTree", "ScaleLike", "ScaleSource")
