@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench mutate clean
+.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
@@ -15,10 +15,18 @@ help:
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
 	@echo "make mutate      - mutation testing of the core modules (~30 min), writes tests/mutation-report.md"
+	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
+	@echo "make docs        - the docs site into site/ (mkdocs build --strict), then its internal links checked"
+	@echo "make docs-serve  - the docs site on http://127.0.0.1:8000 while editing"
+	@echo "make dist        - wheel and sdist into dist/ (python -m build)"
+	@echo "make dist-check  - make dist, then each of them installed into a fresh plain venv and imported"
 
-$(STAMP): pyproject.toml
+# The venv itself, shared by every stamp below (each stamp adds one extra to it).
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -60,5 +68,70 @@ gpu-bench:
 mutate: $(STAMP)
 	$(PY) tests/mutate.py
 
+LINT_STAMP := $(VENV)/.installed-lint
+
+$(LINT_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[lint]"
+	touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# Strict: a warning (a broken reference, a page outside the nav, a docstring griffe cannot
+# parse, a public name without an API entry) fails the build. Then every internal link of the
+# built site is checked, offline (external URLs are not followed).
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+	$(VENV)/bin/linkchecker --no-status --ignore-url='^(https?|mailto):' site/index.html
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
+DIST_STAMP := $(VENV)/.installed-build
+DIST_VENV  ?= build/dist-check-venv
+
+$(DIST_STAMP): | $(PY)
+	$(PY) -m pip install --quiet build
+	touch $(DIST_STAMP)
+
+dist: $(DIST_STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+# Each artifact into its own plain venv (no system site-packages, no test extra), then imported
+# from outside the source tree. jax, optax and numpy come from the package index.
+dist-check: dist
+	@for artifact in dist/*.whl dist/*.tar.gz; do \
+	  echo "== $$artifact"; \
+	  rm -rf $(DIST_VENV) && $(PYTHON) -m venv $(DIST_VENV) && \
+	  $(DIST_VENV)/bin/python -m pip install --quiet "$$artifact" && \
+	  (cd / && $(abspath $(DIST_VENV))/bin/python -c "$$DIST_CHECK") || exit 1; \
+	done
+	rm -rf $(DIST_VENV)
+
+define DIST_CHECK
+import jax, jax.numpy as jnp, optax, importlib.metadata as md
+import jax_lossscale as jls, jax_lossscale.torch, jax_lossscale.diagnostics, jax_lossscale.checkpoint
+assert "site-packages" in jls.__file__, jls.__file__
+assert md.version("jax-lossscale") == jls.__version__, (md.version("jax-lossscale"), jls.__version__)
+tx = jls.dynamic_loss_scale(optax.sgd(1.0)); s = tx.init(jnp.zeros(2))
+u, s = tx.update(jnp.array([1.0, jnp.inf]), s)
+assert float(jls.get_scale_state(s).scale) == 2.0**15
+try:
+    import jax_lossscale.flax
+except ImportError as e:
+    assert "jax-lossscale[flax]" in str(e), e
+print("ok: jax_lossscale", jls.__version__, "from", jls.__file__)
+endef
+export DIST_CHECK
+
 clean:
-	rm -rf $(VENV) .pytest_cache $(OUT)
+	rm -rf $(VENV) .pytest_cache $(OUT) site dist build

@@ -14,7 +14,7 @@ params and optimizer state) of every model (see ``bench_models.py``) in one proc
 * ``cond_ref``: not a peer and not shipped: this library's scaler with the
   inner update skipped by ``lax.cond`` instead of ``jnp.where``, to show what
   the ``jnp.where`` design costs on this backend;
-* ``jls_diagnostics``: ``jax_lossscale`` plus ``jax_lossscale.grad_diagnostics``
+* ``jls_diagnostics``: ``jax_lossscale`` plus ``jax_lossscale.diagnostics.grad_diagnostics``
   on every step (only where the installed package has it).
 
 Compilation (``jax.jit(step).lower(...).compile()``) and warm-up happen

@@ -257,7 +257,7 @@ def cond_reference(loss_fn):
 @variant(
   "jls_diagnostics",
   "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
-  requires=("jax_lossscale:grad_diagnostics",),
+  requires=("jax_lossscale.diagnostics:grad_diagnostics",),
 )
 def jls_with_diagnostics(loss_fn):
   """The ``jax_lossscale`` step plus the per-layer diagnostics of every step.
@@ -268,7 +268,7 @@ def jls_with_diagnostics(loss_fn):
   stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
 
   def diagnose(grads, opt_state):
-    return jls.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)
+    return jls.diagnostics.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)
 
   def init(p):
     opt_state = stx.init(p)

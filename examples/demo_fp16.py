@@ -12,7 +12,7 @@ ways and measures what float16 does to the gradients:
 With ``--param-dtype float16`` the parameters themselves (and so the
 gradients and updates) are float16 in the two float16 runs.
 
-"Underflow" is measured on sampled steps with ``jax_lossscale.check_underflow``:
+"Underflow" is measured on sampled steps with ``jax_lossscale.diagnostics.check_underflow``:
 the run's gradient (float16 backward at the run's scale, unscaled) is compared
 with the float32 gradient at the same parameters and batch, and the fraction of
 the float32-non-zero elements that came out exactly zero is reported.
@@ -328,9 +328,9 @@ def make_run_fns(setup: Setup, run: Run) -> RunFns:
 
   @jax.jit
   def probe(params, opt_state, step):
-    """jls.check_underflow of this run's backward (at its scale) at this step's batch."""
+    """jls.diagnostics.check_underflow of this run's backward (at its scale) at this step's batch."""
     taps = [jnp.zeros((args.batch_size, n), jnp.float32) for n in setup.sizes[1:]]
-    return jls.check_underflow(
+    return jls.diagnostics.check_underflow(
       probe_loss,
       {"params": params, "activations": taps},
       batch_indices(step),

@@ -10,10 +10,10 @@ autocast does it:
   ``attention`` for what goes wrong with a float16 softmax).
 
 Linen rather than NNX because the params are a plain nested dict: the keys
-``jls.grad_diagnostics`` logs (``layers_0/attn/qkv/kernel/headroom``) are the
+``jls.diagnostics.grad_diagnostics`` logs (``layers_0/attn/qkv/kernel/headroom``) are the
 module names, the train step is a pure function that ``jax.lax.scan`` runs N
 steps at a time, and ``Module.perturb`` gives the activation gradients that
-``jls.check_underflow`` measures. (NNX works the same way; see flax_nnx.py.)
+``jls.diagnostics.check_underflow`` measures. (NNX works the same way; see flax_nnx.py.)
 
 Corpus: Python standard library source files read from this interpreter's own
 installation (no download): ``argparse.py``, ``functools.py``,
@@ -212,7 +212,7 @@ def make_functions(args, train_tokens, dtype, scaled):
       return jls.scale_loss(loss, opt_state), loss
 
     grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    diag = jls.grad_diagnostics(grads, scale_state)  # before the optimizer
+    diag = jls.diagnostics.grad_diagnostics(grads, scale_state)  # before the optimizer
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     logs = {
@@ -236,17 +236,17 @@ def make_functions(args, train_tokens, dtype, scaled):
 
 
 def check_at(loss_fn, get_batch, model, params, step, scale):
-  """``jls.check_underflow`` of one batch, params and activations (perturbations)."""
+  """``jls.diagnostics.check_underflow`` of one batch, params and activations (perturbations)."""
   batch = get_batch(step)
   perturb = model.init(jax.random.key(0), batch[0])["perturbations"]
   variables = {"params": params, "perturbations": perturb}
-  return jls.check_underflow(loss_fn, variables, batch, scale=scale)
+  return jls.diagnostics.check_underflow(loss_fn, variables, batch, scale=scale)
 
 
 def train(args, train_tokens, val_tokens, dtype, scaled, label, verbose=True):
   init, train_chunk, loss_fn, get_batch, model = make_functions(args, train_tokens, dtype, scaled)
   params, opt_state = init(jax.random.key(args.seed))
-  names = jls.grad_leaf_names(params)
+  names = jls.diagnostics.grad_leaf_names(params)
   check = jax.jit(lambda p, i, s: check_at(loss_fn, get_batch, model, p, i, s))
   half = dtype != jnp.float32
   probes = []

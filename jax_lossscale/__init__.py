@@ -1,16 +1,25 @@
-"""jax_lossscale: PyTorch-exact dynamic loss scaling for JAX and Optax."""
+"""jax_lossscale: PyTorch-exact dynamic loss scaling for JAX and Optax.
 
+The names a user needs first are the transformations (:func:`dynamic_loss_scale`,
+:func:`static_loss_scale`, :func:`no_loss_scale`), :func:`scale_loss` and
+:func:`metrics`. The scale rule's building blocks (:func:`update_scale`,
+:func:`unscale_and_check`, :func:`all_finite`, :func:`scale_product`,
+:func:`fp16_roundtrip`) stay at the top level too. Interop and tooling live in
+namespaces: :mod:`jax_lossscale.flax` (the TrainState field; needs Flax),
+:mod:`jax_lossscale.torch` (``GradScaler.state_dict()``),
+:mod:`jax_lossscale.diagnostics` and :mod:`jax_lossscale.checkpoint`.
+"""
+
+import importlib as _importlib
+import warnings as _warnings
+
+from jax_lossscale import checkpoint as checkpoint
+from jax_lossscale import diagnostics as diagnostics
+from jax_lossscale import torch as torch
 from jax_lossscale._accumulation import multi_steps as multi_steps
-from jax_lossscale._checkpoint import check_scale_config as check_scale_config
-from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
-from jax_lossscale._diagnostics import UnderflowReport as UnderflowReport
-from jax_lossscale._diagnostics import check_underflow as check_underflow
-from jax_lossscale._diagnostics import grad_diagnostics as grad_diagnostics
-from jax_lossscale._diagnostics import grad_leaf_names as grad_leaf_names
 from jax_lossscale._guard import LossScaleError as LossScaleError
 from jax_lossscale._guard import check_skips as check_skips
 from jax_lossscale._metrics import metrics as metrics
-from jax_lossscale._metrics import nonfinite_leaves as nonfinite_leaves
 from jax_lossscale._numerics import all_finite as all_finite
 from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
 from jax_lossscale._numerics import unscale_and_check as unscale_and_check
@@ -20,8 +29,6 @@ from jax_lossscale._signals import LossScaleWarning as LossScaleWarning
 from jax_lossscale._state import DynamicScaleConfig as DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState as DynamicScaleState
 from jax_lossscale._state import get_scale_state as get_scale_state
-from jax_lossscale._torch_interop import from_torch_state_dict as from_torch_state_dict
-from jax_lossscale._torch_interop import to_torch_state_dict as to_torch_state_dict
 from jax_lossscale._transform import LossScaleState as LossScaleState
 from jax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
 from jax_lossscale._transform import inner_state as inner_state
@@ -29,6 +36,7 @@ from jax_lossscale._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._transform import scale_loss as scale_loss
 from jax_lossscale._transform import static_loss_scale as static_loss_scale
 
+#: The one version source (pyproject.toml reads it).
 __version__ = "0.1.0"
 
 __all__ = (
@@ -37,27 +45,46 @@ __all__ = (
   "LossScaleError",
   "LossScaleState",
   "LossScaleWarning",
-  "UnderflowReport",
   "all_finite",
-  "check_scale_config",
   "check_skips",
-  "check_underflow",
   "dynamic_loss_scale",
   "fp16_roundtrip",
-  "from_torch_state_dict",
   "get_scale_state",
-  "grad_diagnostics",
-  "grad_leaf_names",
   "inner_state",
   "metrics",
   "multi_steps",
   "no_loss_scale",
-  "nonfinite_leaves",
-  "scale_config_metadata",
   "scale_loss",
   "scale_product",
   "static_loss_scale",
-  "to_torch_state_dict",
   "unscale_and_check",
   "update_scale",
 )
+
+#: Top-level names of 0.1.0 that moved to a namespace: old name -> new module.
+#: They keep working for one release, with a DeprecationWarning.
+_DEPRECATED = {
+  "UnderflowReport": "jax_lossscale.diagnostics",
+  "check_underflow": "jax_lossscale.diagnostics",
+  "grad_diagnostics": "jax_lossscale.diagnostics",
+  "grad_leaf_names": "jax_lossscale.diagnostics",
+  "nonfinite_leaves": "jax_lossscale.diagnostics",
+  "check_scale_config": "jax_lossscale.checkpoint",
+  "scale_config_metadata": "jax_lossscale.checkpoint",
+  "from_torch_state_dict": "jax_lossscale.torch",
+  "to_torch_state_dict": "jax_lossscale.torch",
+}
+
+
+def __getattr__(name: str) -> object:
+  """The moved names of :data:`_DEPRECATED`, with a ``DeprecationWarning``."""
+  module = _DEPRECATED.get(name)
+  if module is None:
+    raise AttributeError(f"module 'jax_lossscale' has no attribute {name!r}")
+  _warnings.warn(
+    f"jax_lossscale.{name} moved to {module}.{name}; the old name is deprecated "
+    "and will be removed in the next release.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return getattr(_importlib.import_module(module), name)

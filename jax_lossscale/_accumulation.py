@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,9 @@ class MultiStepsState(optax.MultiStepsState):
 
 
 def multi_steps(
-  inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
+  inner: optax.GradientTransformation,
+  every_k_schedule: int | Callable[[jax.Array], jax.Array],
+  **kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.MultiSteps`` whose accumulator restarts from exact zeros.
 

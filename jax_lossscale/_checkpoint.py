@@ -18,18 +18,19 @@ from typing import Iterable
 
 from jax_lossscale._state import DynamicScaleConfig
 from jax_lossscale._state import scale_states
+from jax_lossscale._typing import ScaleSource
 
 _FORMAT = 1
 
 
-def scale_config_metadata(tree: Any) -> dict[str, Any]:
+def scale_config_metadata(tree: ScaleSource) -> dict[str, Any]:
   """The static configs of every :class:`DynamicScaleState` in ``tree``, as JSON.
 
   Args:
     tree: a train state, optimizer state or any pytree holding scale states.
 
   Returns:
-    A JSON-serialisable dict ``{"format": 1, "configs": {path: {field:
+    dict: A JSON-serialisable dict ``{"format": 1, "configs": {path: {field:
     value}}}``, ``path`` being the ``jax.tree_util.keystr`` of each state.
     Floats are Python floats, which JSON round-trips exactly.
 
@@ -38,7 +39,7 @@ def scale_config_metadata(tree: Any) -> dict[str, Any]:
 
   Examples:
     >>> import jax_lossscale as jls
-    >>> meta = jls.scale_config_metadata({"scaler": jls.DynamicScaleState.create(hysteresis=2)})
+    >>> meta = jls.checkpoint.scale_config_metadata({"scaler": jls.DynamicScaleState.create(hysteresis=2)})
     >>> meta["configs"]["['scaler']"]["hysteresis"]
     2
   """
@@ -51,7 +52,9 @@ def scale_config_metadata(tree: Any) -> dict[str, Any]:
   }
 
 
-def check_scale_config(tree: Any, metadata: dict[str, Any], *, ignore: Iterable[str] = ()) -> None:
+def check_scale_config(
+  tree: ScaleSource, metadata: dict[str, Any], *, ignore: Iterable[str] = ()
+) -> None:
   """Checks that ``tree``'s scaler configs equal those recorded in ``metadata``.
 
   Call it with the restore target (or the restored state) and the dict that
@@ -71,9 +74,9 @@ def check_scale_config(tree: Any, metadata: dict[str, Any], *, ignore: Iterable[
 
   Examples:
     >>> import jax_lossscale as jls
-    >>> saved = jls.scale_config_metadata(jls.DynamicScaleState.create(growth_interval=100))
-    >>> jls.check_scale_config(jls.DynamicScaleState.create(growth_interval=100), saved)
-    >>> jls.check_scale_config(jls.DynamicScaleState.create(), saved)
+    >>> saved = jls.checkpoint.scale_config_metadata(jls.DynamicScaleState.create(growth_interval=100))
+    >>> jls.checkpoint.check_scale_config(jls.DynamicScaleState.create(growth_interval=100), saved)
+    >>> jls.checkpoint.check_scale_config(jls.DynamicScaleState.create(), saved)
     Traceback (most recent call last):
       ...
     ValueError: Loss-scale config mismatch at '': growth_interval was 100 when the checkpoint was saved, is 2000 now. Pass ignore=('growth_interval',) if the change is deliberate.

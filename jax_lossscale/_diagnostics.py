@@ -10,10 +10,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import unscale_and_check
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import DTypeLike
+from jax_lossscale._typing import PyTree
+from jax_lossscale._typing import ScaleLike
 
 FLOAT16_MAX = np.float32(65504.0)
 # Smallest normal float16 (2**-14 ~ 6.1e-5): magnitudes below it are float16
@@ -53,7 +58,7 @@ def _named_float_leaves(tree: Any) -> list[tuple[str, Any]]:
   return out
 
 
-def grad_leaf_names(grads: Any) -> list[str]:
+def grad_leaf_names(grads: PyTree) -> list[str]:
   """Names of the floating-point leaves of ``grads``, as :func:`grad_diagnostics` keys them.
 
   A host-side helper: ``grad_leaf_names(grads)[int(d["min_headroom_leaf"])]``
@@ -70,7 +75,7 @@ def grad_leaf_names(grads: Any) -> list[str]:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale import grad_leaf_names
+    >>> from jax_lossscale.diagnostics import grad_leaf_names
     >>> grad_leaf_names({"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(2)}, "step": 1})
     ['dense/bias', 'dense/kernel']
   """
@@ -101,7 +106,7 @@ def _leaf_reduction(g: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
   return jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
 
 
-def grad_diagnostics(scaled_grads: Any, scale: Any) -> dict[str, jax.Array]:
+def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> dict[str, jax.Array]:
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
@@ -145,7 +150,7 @@ def grad_diagnostics(scaled_grads: Any, scale: Any) -> dict[str, jax.Array]:
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from jax_lossscale import grad_diagnostics, grad_leaf_names
+    >>> from jax_lossscale.diagnostics import grad_diagnostics, grad_leaf_names
     >>> g = {"a": jnp.array([4.0, 0.0], jnp.float16), "b": jnp.array([16376.0, 1e-7])}
     >>> d = jax.jit(grad_diagnostics)(g, 4.0)
     >>> d["a/max_abs"].item(), d["a/subnormal_or_zero"].item(), d["b/headroom"].item()
@@ -256,12 +261,12 @@ class UnderflowReport(NamedTuple):
 
 
 def check_underflow(
-  loss_fn: Callable[[Any, Any, Any], Any],
-  params: Any,
-  batch: Any,
+  loss_fn: Callable[[optax.Params, PyTree, DTypeLike], ArrayLike],
+  params: optax.Params,
+  batch: PyTree,
   *,
-  scale: Any = 2.0**16,
-  half_dtype: Any = jnp.float16,
+  scale: ScaleLike = 2.0**16,
+  half_dtype: DTypeLike = jnp.float16,
 ) -> UnderflowReport:
   """A one-off check of one batch: does float16 flush this model's gradients to zero?
 
@@ -299,7 +304,7 @@ def check_underflow(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale import check_underflow
+    >>> from jax_lossscale.diagnostics import check_underflow
     >>> def loss_fn(p, batch, dtype):  # a tiny loss: gradients ~1e-9
     ...   return 1e-9 * jnp.sum(batch.astype(dtype) * p["w"].astype(dtype)).astype(jnp.float32)
     >>> report = check_underflow(loss_fn, {"w": jnp.ones(3)}, jnp.array([1.0, 2.0, 3.0]))

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jax_lossscale._state import get_scale_state
+from jax_lossscale._typing import ScaleSource
 
 
 class LossScaleError(RuntimeError):
@@ -26,7 +27,7 @@ def _check_limit(name: str, value: Any) -> int | None:
 
 
 def check_skips(
-  state: Any,
+  state: ScaleSource,
   *,
   max_consecutive_skips: int | None = None,
   max_skipped_steps: int | None = None,

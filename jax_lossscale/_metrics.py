@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from jax_lossscale._numerics import is_float
 from jax_lossscale._state import get_scale_state
+from jax_lossscale._typing import PyTree
+from jax_lossscale._typing import ScaleSource
 
 
-def metrics(state: Any) -> dict[str, jax.Array]:
+def metrics(state: ScaleSource) -> dict[str, jax.Array]:
   """The loss scaler's state as a flat dict of scalars, for a logger.
 
   Works on anything :func:`get_scale_state` finds a scaler in: an Optax
@@ -29,7 +29,7 @@ def metrics(state: Any) -> dict[str, jax.Array]:
     state: a :class:`DynamicScaleState` or any tree holding exactly one.
 
   Returns:
-    ``{"scale": float32[], "growth_tracker": int32[],
+    dict: ``{"scale": float32[], "growth_tracker": int32[],
     "last_step_skipped": bool[], "skipped_steps": int32[],
     "consecutive_skips": int32[]}``.
 
@@ -54,7 +54,7 @@ def metrics(state: Any) -> dict[str, jax.Array]:
   }
 
 
-def nonfinite_leaves(grads: Any) -> Any:
+def nonfinite_leaves(grads: PyTree) -> PyTree:
   """Which gradient leaves hold an inf or NaN: a pytree of bool scalars.
 
   Tells which layer overflowed, without a host sync: compute it inside the
@@ -72,7 +72,7 @@ def nonfinite_leaves(grads: Any) -> Any:
   Examples:
     >>> import jax.numpy as jnp
     >>> import jax_lossscale as jls
-    >>> jls.nonfinite_leaves({"dense": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)})
+    >>> jls.diagnostics.nonfinite_leaves({"dense": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)})
     {'bias': Array(False, dtype=bool), 'dense': Array(True, dtype=bool)}
   """
 

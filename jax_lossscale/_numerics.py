@@ -7,8 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._product import exact_reciprocal
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import PyTree
+from jax_lossscale._typing import ScaleLike
 
 # Scales above this have a subnormal float32 reciprocal, which XLA on CPU
 # flushes to zero; such scales are unscaled in two exact steps instead.
@@ -65,7 +69,7 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return inv, shift
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: PyTree) -> jax.Array:
   """``True`` iff every floating-point element of ``tree`` is finite.
 
   Integer, boolean and ``None`` leaves are ignored; an empty tree is finite.
@@ -103,7 +107,7 @@ def combine_flags(flags) -> jax.Array:
   return jnp.sqrt(bad) == np.float32(0)
 
 
-def unscale_and_check(grads: Any, scale: Any) -> tuple[Any, jax.Array]:
+def unscale_and_check(grads: optax.Updates, scale: ScaleLike) -> tuple[optax.Updates, jax.Array]:
   """Unscales a gradient pytree and checks it for inf/NaN in one pass.
 
   Each floating-point leaf ``g`` becomes ``g * float32(1/scale)`` computed in
@@ -146,7 +150,7 @@ def unscale_and_check(grads: Any, scale: Any) -> tuple[Any, jax.Array]:
   return unscaled, all_finite(unscaled)
 
 
-def fp16_roundtrip(g: Any, scale: Any) -> jax.Array:
+def fp16_roundtrip(g: ArrayLike, scale: ArrayLike) -> jax.Array:
   """Simulates a float16 backward pass: ``float32(float16(g * scale)) / scale``.
 
   Shows what loss scaling saves: values below float16's smallest subnormal

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._product import scale_product
 from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._typing import ArrayLike
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -19,7 +18,7 @@ def _safe_increment(x: jax.Array) -> jax.Array:
   return jnp.where(x < _INT32_MAX, x + 1, x)
 
 
-def update_scale(state: DynamicScaleState, grads_finite: Any) -> DynamicScaleState:
+def update_scale(state: DynamicScaleState, grads_finite: ArrayLike) -> DynamicScaleState:
   """Advances the scaler by one step, given whether its gradients were finite.
 
   The rule, with ``c = state.config`` (torch's ``_amp_update_scale_`` when

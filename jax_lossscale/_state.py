@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale._typing import ScaleSource
+
 _F32 = np.finfo(np.float32)
 #: Smallest normal float32 (2**-126): the default floor of the scale.
 MIN_NORMAL_F32 = float(_F32.tiny)
@@ -248,7 +250,7 @@ def scale_states(tree: Any) -> list[tuple[str, DynamicScaleState]]:
   return [(jax.tree_util.keystr(path), x) for path, x in flat if is_scale_state(x)]
 
 
-def get_scale_state(tree: Any) -> DynamicScaleState:
+def get_scale_state(tree: ScaleSource) -> DynamicScaleState:
   """Finds the :class:`DynamicScaleState` in an optimizer state or train state.
 
   Searches any nesting of Optax states (``chain``, ``MultiSteps``,

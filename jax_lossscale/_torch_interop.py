@@ -18,6 +18,7 @@ from jax_lossscale._state import check_growth_factor
 from jax_lossscale._state import check_growth_interval
 from jax_lossscale._state import check_init_scale
 from jax_lossscale._state import get_scale_state
+from jax_lossscale._typing import ScaleSource
 
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -37,7 +38,7 @@ def _host_scalar(name: str, x: Any) -> np.ndarray:
   return value
 
 
-def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
+def to_torch_state_dict(state: ScaleSource, *, strict: bool = True) -> dict[str, Any]:
   """The scaler state as ``torch.amp.GradScaler.state_dict()`` would write it.
 
   Pass the result to ``GradScaler.load_state_dict`` (or save it in a torch
@@ -57,7 +58,7 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
     strict: refuse settings that torch would silently lose.
 
   Returns:
-    ``{"scale": float, "growth_factor": float, "backoff_factor": float,
+    dict: ``{"scale": float, "growth_factor": float, "backoff_factor": float,
     "growth_interval": int, "_growth_tracker": int}`` (Python numbers, as
     torch writes them).
 
@@ -68,7 +69,7 @@ def to_torch_state_dict(state: Any, *, strict: bool = True) -> dict[str, Any]:
   Examples:
     >>> import jax_lossscale as jls
     >>> s = jls.DynamicScaleState.create(init_scale=1024.0, growth_interval=100)
-    >>> jls.to_torch_state_dict(s)
+    >>> jls.torch.to_torch_state_dict(s)
     {'scale': 1024.0, 'growth_factor': 2.0, 'backoff_factor': 0.5, 'growth_interval': 100, '_growth_tracker': 0}
   """
   s = get_scale_state(state)
@@ -139,7 +140,7 @@ def from_torch_state_dict(
   :class:`jax_lossscale.flax.TrainState`, or put it into an optimizer state
   made by :func:`dynamic_loss_scale` with the same settings::
 
-    opt_state = opt_state._replace(loss_scale=jls.from_torch_state_dict(sd))
+    opt_state = opt_state._replace(loss_scale=jls.torch.from_torch_state_dict(sd))
 
   Args:
     sd: the dict returned by ``GradScaler.state_dict()``, with keys
@@ -160,7 +161,7 @@ def from_torch_state_dict(
     >>> import jax_lossscale as jls
     >>> sd = {"scale": 32768.0, "growth_factor": 2.0, "backoff_factor": 0.5,
     ...       "growth_interval": 2000, "_growth_tracker": 17}
-    >>> s = jls.from_torch_state_dict(sd)
+    >>> s = jls.torch.from_torch_state_dict(sd)
     >>> s.scale, s.growth_tracker
     (Array(32768., dtype=float32), Array(17, dtype=int32))
   """

@@ -26,6 +26,9 @@ from jax_lossscale._state import DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._state import check_init_scale
 from jax_lossscale._state import get_scale_state
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import AxisName
+from jax_lossscale._typing import ScaleLike
 
 
 class LossScaleState(NamedTuple):
@@ -125,7 +128,7 @@ def dynamic_loss_scale(
   min_scale: float = DEFAULT_CONFIG.min_scale,
   max_scale: float = DEFAULT_CONFIG.max_scale,
   hysteresis: int = DEFAULT_CONFIG.hysteresis,
-  axis_name: Any | None = None,
+  axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with ``torch.amp.GradScaler``'s dynamic loss scaling.
 
@@ -200,7 +203,7 @@ def static_loss_scale(
   inner: optax.GradientTransformation,
   scale: float,
   *,
-  axis_name: Any | None = None,
+  axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a fixed loss scale.
 
@@ -232,7 +235,7 @@ def static_loss_scale(
 def no_loss_scale(
   inner: optax.GradientTransformation,
   *,
-  axis_name: Any | None = None,
+  axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Loss scaling switched off: scale 1, with the same state and API.
 
@@ -253,7 +256,7 @@ def no_loss_scale(
   return static_loss_scale(inner, 1.0, axis_name=axis_name)
 
 
-def inner_state(opt_state: Any) -> optax.OptState:
+def inner_state(opt_state: optax.OptState) -> optax.OptState:
   """The wrapped optimizer's state inside a loss scaler's state.
 
   For helpers that need the inner optimizer's own state, e.g.
@@ -288,7 +291,7 @@ def inner_state(opt_state: Any) -> optax.OptState:
   return found[0].inner_state
 
 
-def scale_loss(loss: Any, state: Any) -> jax.Array:
+def scale_loss(loss: ArrayLike, state: ScaleLike) -> jax.Array:
   """The loss multiplied by the current scale, in at least float32.
 
   A float16 loss is promoted to float32 first, so ``loss * 65536`` cannot

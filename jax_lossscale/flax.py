@@ -48,6 +48,9 @@ from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._state import get_scale_state
 from jax_lossscale._state import scale_states
 from jax_lossscale._transform import scale_loss
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import AxisName
+from jax_lossscale._typing import ScaleLike
 
 __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
 
@@ -74,11 +77,11 @@ class ScaledValueAndGrad(NamedTuple):
 
 def value_and_grad(
   fun: Callable[..., Any],
-  scale: Any,
+  scale: ScaleLike,
   *,
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
-  axis_name: Any | None = None,
+  axis_name: AxisName | None = None,
 ) -> Callable[..., ScaledValueAndGrad]:
   """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
 
@@ -197,8 +200,8 @@ class TrainState(train_state.TrainState):
   def create(
     cls,
     *,
-    apply_fn: Callable,
-    params: Any,
+    apply_fn: Callable[..., Any],
+    params: optax.Params,
     tx: optax.GradientTransformation,
     dynamic_scale: DynamicScaleState | None = None,
     **kwargs: Any,
@@ -250,14 +253,16 @@ class TrainState(train_state.TrainState):
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-    axis_name: Any | None = None,
+    axis_name: AxisName | None = None,
   ) -> Callable[..., ScaledValueAndGrad]:
     """:func:`value_and_grad` with this state's ``dynamic_scale``."""
     return value_and_grad(
       fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
     )
 
-  def apply_gradients(self, *, grads: Any, finite: Any = None, **kwargs: Any) -> TrainState:
+  def apply_gradients(
+    self, *, grads: optax.Updates, finite: ArrayLike | None = None, **kwargs: Any
+  ) -> TrainState:
     """Applies unscaled gradients unless they are non-finite; updates the scale.
 
     Args:
@@ -268,7 +273,7 @@ class TrainState(train_state.TrainState):
         replaced whether or not the step is skipped.
 
     Returns:
-      The new state: on a finite step ``step + 1`` and updated ``params`` and
+      TrainState: the new state. On a finite step ``step + 1`` and updated ``params`` and
       ``opt_state``; on a skipped step those three bit-identical. In both
       cases ``dynamic_scale`` advanced by :func:`jax_lossscale.update_scale`.
 

@@ -342,7 +342,7 @@ def save(path, tree):
   import orbax.checkpoint as ocp
 
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(path, tree, custom_metadata={META_KEY: jls.scale_config_metadata(tree)})
+  ckptr.save(path, tree, custom_metadata={META_KEY: jls.checkpoint.scale_config_metadata(tree)})
   ckptr.wait_until_finished()
   ckptr.close()
 
@@ -351,7 +351,7 @@ def restore(path, target):
   import orbax.checkpoint as ocp
 
   ckptr = ocp.StandardCheckpointer()
-  jls.check_scale_config(target, ckptr.metadata(path).custom_metadata[META_KEY])
+  jls.checkpoint.check_scale_config(target, ckptr.metadata(path).custom_metadata[META_KEY])
   restored = ckptr.restore(path, target)
   ckptr.close()
   return restored

@@ -1,23 +1,106 @@
 """The public surface: explicit exports, documented, keyword-only configuration."""
 
+import importlib
 import inspect
+import pathlib
+import sys
+import warnings
+
+import pytest
 
 import jax_lossscale as jls
 
+#: The public namespaces; ``flax`` needs Flax and is imported on demand.
+NAMESPACES = ("checkpoint", "diagnostics", "flax", "torch")
+
+#: 0.1.0's top-level names that moved, and where they live now.
+MOVED = {
+  "UnderflowReport": "diagnostics",
+  "check_underflow": "diagnostics",
+  "grad_diagnostics": "diagnostics",
+  "grad_leaf_names": "diagnostics",
+  "nonfinite_leaves": "diagnostics",
+  "check_scale_config": "checkpoint",
+  "scale_config_metadata": "checkpoint",
+  "from_torch_state_dict": "torch",
+  "to_torch_state_dict": "torch",
+}
+
+#: What the seeds (the worked examples the project grew from) call at the top level.
+SEED_NAMES = (
+  "DynamicScaleState",
+  "dynamic_loss_scale",
+  "fp16_roundtrip",
+  "get_scale_state",
+  "unscale_and_check",
+  "update_scale",
+)
+
+
+def _public_objects():
+  """(qualified name, object) of every name in the package's and the namespaces' ``__all__``."""
+  for name in jls.__all__:
+    yield f"jax_lossscale.{name}", getattr(jls, name)
+  for ns in NAMESPACES:
+    module = importlib.import_module(f"jax_lossscale.{ns}")
+    for name in module.__all__:
+      yield f"jax_lossscale.{ns}.{name}", getattr(module, name)
+
 
 def test_all_is_explicit_sorted_and_importable():
-  assert list(jls.__all__) == sorted(jls.__all__)
-  for name in jls.__all__:
-    assert hasattr(jls, name), name
+  for module in [jls] + [importlib.import_module(f"jax_lossscale.{ns}") for ns in NAMESPACES]:
+    assert list(module.__all__) == sorted(module.__all__), module.__name__
+    for name in module.__all__:
+      assert hasattr(module, name), (module.__name__, name)
   public = {n for n in dir(jls) if not n.startswith("_")}
-  assert public - set(jls.__all__) <= {"flax"}  # the optional submodule, imported on demand
+  assert public - set(jls.__all__) <= set(NAMESPACES)
 
 
 def test_every_public_name_is_documented():
-  for name in jls.__all__:
-    obj = getattr(jls, name)
+  for qualname, obj in _public_objects():
     doc = inspect.getdoc(obj)
-    assert doc and len(doc.splitlines()[0]) > 10, f"{name} has no summary line"
+    assert doc and len(doc.splitlines()[0]) > 10, f"{qualname} has no summary line"
+
+
+def test_seed_names_stay_at_the_top_level_without_a_warning():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for name in SEED_NAMES:
+      assert name in jls.__all__
+      assert callable(getattr(jls, name))
+
+
+@pytest.mark.parametrize("name", sorted(MOVED))
+def test_moved_names_warn_and_return_the_same_object(name):
+  namespace = importlib.import_module(f"jax_lossscale.{MOVED[name]}")
+  assert name in namespace.__all__ and name not in jls.__all__
+  with pytest.warns(DeprecationWarning, match=f"jax_lossscale.{MOVED[name]}.{name}"):
+    old = getattr(jls, name)
+  assert old is getattr(namespace, name)
+  with pytest.warns(DeprecationWarning, match=name):
+    exec(f"from jax_lossscale import {name} as imported", scope := {})
+  assert scope["imported"] is old
+
+
+def test_unknown_attribute_is_an_attribute_error():
+  with pytest.raises(AttributeError, match="no_such_name"):
+    jls.no_such_name  # noqa: B018
+
+
+def test_one_version_source():
+  """pyproject.toml has no version of its own: setuptools reads ``__version__``."""
+  if sys.version_info < (3, 11):
+    pytest.skip("tomllib needs Python 3.11")
+  import tomllib
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  project = tomllib.loads((root / "pyproject.toml").read_text())
+  assert "version" not in project["project"]
+  assert project["project"]["dynamic"] == ["version"]
+  attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+  assert attr == "jax_lossscale.__version__"
+  assert jls.__version__.count(".") == 2
+  assert f"## [{jls.__version__}]" in (root / "CHANGELOG.md").read_text()
 
 
 def test_transformation_factories_take_configuration_by_keyword():
@@ -99,3 +182,37 @@ def test_missing_test_dependencies_fail_in_ci_and_skip_elsewhere(tmp_path):
   assert "2 failed, 1 skipped, 1 error" in ci, ci
   local = _run_missing_dependency_tests(tmp_path, ci=False)
   assert "4 skipped" in local and "failed" not in local and "error" not in local, local
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_package_its_license_and_only_the_runtime_dependencies(tmp_path):
+  """The wheel pip builds from this tree (offline; ``make dist-check`` installs it for real)."""
+  import email
+  import subprocess
+  import zipfile
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  out = subprocess.run(
+    [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    + ["--wheel-dir", str(tmp_path), str(root)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr
+  (wheel,) = tmp_path.glob("jax_lossscale-*.whl")
+  with zipfile.ZipFile(wheel) as z:
+    names = set(z.namelist())
+    (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    meta = email.message_from_bytes(z.read(meta_name))
+  for module in ("__init__", "torch", "diagnostics", "checkpoint", "flax", "_transform"):
+    assert f"jax_lossscale/{module}.py" in names
+  assert "jax_lossscale/py.typed" in names
+  assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+  assert not any(n.startswith(("tests/", "docs/", "examples/")) for n in names)
+  assert meta["Version"] == jls.__version__
+  assert meta["License-Expression"] == "Apache-2.0"
+  urls = {u.split(",")[0] for u in meta.get_all("Project-URL")}
+  assert {"Homepage", "Documentation", "Repository", "Changelog"} <= urls
+  runtime = sorted(r.split(">")[0] for r in meta.get_all("Requires-Dist") if "extra ==" not in r)
+  assert runtime == ["jax", "numpy", "optax"]

@@ -5,8 +5,8 @@ saved with ``orbax.checkpoint.StandardCheckpointer`` in the middle of a run,
 restored in a fresh Python process and trained on: everything ends bit-identical
 to the uninterrupted run. The scaler's config is static pytree metadata, so it
 is not among the saved arrays; it is recorded as JSON metadata beside them
-(:func:`jax_lossscale.scale_config_metadata`) and checked on restore
-(:func:`jax_lossscale.check_scale_config`).
+(:func:`jax_lossscale.checkpoint.scale_config_metadata`) and checked on restore
+(:func:`jax_lossscale.checkpoint.check_scale_config`).
 
 This file doubles as the script the fresh process runs (``python
 tests/test_checkpoint.py resume CKPT OUT``).
@@ -91,7 +91,7 @@ def resume(ckpt_dir, out_file):
   target = init_state(tx)  # shapes, dtypes and the static config come from here
   ckptr = ocp.StandardCheckpointer()
   saved_meta = ckptr.metadata(ckpt_dir).custom_metadata[META_KEY]
-  jls.check_scale_config(target, saved_meta)
+  jls.checkpoint.check_scale_config(target, saved_meta)
   restored = ckptr.restore(ckpt_dir, target)
   ckptr.close()
   assert type(restored["opt_state"]) is type(target["opt_state"])
@@ -101,7 +101,9 @@ def resume(ckpt_dir, out_file):
 
 def _save(path, train_state):
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(path, train_state, custom_metadata={META_KEY: jls.scale_config_metadata(train_state)})
+  ckptr.save(
+    path, train_state, custom_metadata={META_KEY: jls.checkpoint.scale_config_metadata(train_state)}
+  )
   ckptr.wait_until_finished()
   ckptr.close()
 
@@ -187,9 +189,9 @@ def test_config_change_is_detected_on_restore(tmp_path, uninterrupted):
   with pytest.raises(
     ValueError, match=r"\['opt_state'\]\.loss_scale.*growth_interval was 2 .* is 3"
   ):
-    jls.check_scale_config(changed, saved)
-  jls.check_scale_config(changed, saved, ignore=("growth_interval",))  # deliberate
-  jls.check_scale_config(init_state(make_tx()), saved)
+    jls.checkpoint.check_scale_config(changed, saved)
+  jls.checkpoint.check_scale_config(changed, saved, ignore=("growth_interval",))  # deliberate
+  jls.checkpoint.check_scale_config(init_state(make_tx()), saved)
 
 
 def test_config_metadata_round_trips_json_exactly():
@@ -205,17 +207,17 @@ def test_config_metadata_round_trips_json_exactly():
     ),
     "b": [jls.DynamicScaleState.create(dynamic=False)],
   }
-  meta = json.loads(json.dumps(jls.scale_config_metadata(state)))
-  jls.check_scale_config(state, meta)
+  meta = json.loads(json.dumps(jls.checkpoint.scale_config_metadata(state)))
+  jls.checkpoint.check_scale_config(state, meta)
   assert set(meta["configs"]) == {"['a']", "['b'][0]"}
   with pytest.raises(ValueError, match="do not match the checkpoint"):
-    jls.check_scale_config({"a": state["a"]}, meta)
+    jls.checkpoint.check_scale_config({"a": state["a"]}, meta)
   with pytest.raises(ValueError, match="unknown config fields"):
-    jls.check_scale_config(state, meta, ignore=("growth",))
+    jls.checkpoint.check_scale_config(state, meta, ignore=("growth",))
   with pytest.raises(ValueError, match="metadata must be"):
-    jls.check_scale_config(state, {"configs": {}})
+    jls.checkpoint.check_scale_config(state, {"configs": {}})
   with pytest.raises(ValueError, match="No DynamicScaleState"):
-    jls.scale_config_metadata({"w": jnp.zeros(2)})
+    jls.checkpoint.scale_config_metadata({"w": jnp.zeros(2)})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_default_config_is_torchs():
   [
     jls.DynamicScaleState.create,
     jls.dynamic_loss_scale,
-    jls.from_torch_state_dict,
+    jls.torch.from_torch_state_dict,
     jls.DynamicScaleConfig,
   ],
   ids=lambda f: f.__qualname__,
@@ -86,7 +86,7 @@ def test_a_state_restored_from_torch_with_the_same_settings_is_accepted():
     "growth_interval": 3,
     "_growth_tracker": 2,
   }
-  state = state._replace(loss_scale=jls.from_torch_state_dict(sd))
+  state = state._replace(loss_scale=jls.torch.from_torch_state_dict(sd))
   _, state = tx.update({"w": jnp.ones(1)}, state)
   assert float(state.loss_scale.scale) == 128.0  # the third clean step grows
 
@@ -111,7 +111,7 @@ def test_torch_keys_are_validated_under_their_own_names(key, value, message):
   }
   sd[key] = value
   with pytest.raises(ValueError, match=message):
-    jls.from_torch_state_dict(sd)
+    jls.torch.from_torch_state_dict(sd)
 
 
 # ----------------------------------------------------------------------------- update dtypes

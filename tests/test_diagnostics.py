@@ -29,20 +29,20 @@ def _grads():
 
 
 def test_leaf_names_follow_flattening_order():
-  assert jls.grad_leaf_names(_grads()) == [
+  assert jls.diagnostics.grad_leaf_names(_grads()) == [
     "bad",
     "big/0",
     "layers_0/attn/kernel",
     "zeros",
   ]
-  assert jls.grad_leaf_names(jnp.ones(2)) == ["leaf"]
-  assert jls.grad_leaf_names({"i": jnp.int32(1)}) == []
+  assert jls.diagnostics.grad_leaf_names(jnp.ones(2)) == ["leaf"]
+  assert jls.diagnostics.grad_leaf_names({"i": jnp.int32(1)}) == []
 
 
 def test_exact_values(maybe_jit):
-  d = maybe_jit(jls.grad_diagnostics)(_grads(), jnp.float32(4.0))
+  d = maybe_jit(jls.diagnostics.grad_diagnostics)(_grads(), jnp.float32(4.0))
   d = {k: np.asarray(v) for k, v in d.items()}
-  names = jls.grad_leaf_names(_grads())
+  names = jls.diagnostics.grad_leaf_names(_grads())
   assert set(d) == {
     f"{n}/{s}" for n in names for s in ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")
   } | {"min_headroom", "min_headroom_leaf", "nonfinite"}
@@ -76,13 +76,13 @@ def test_exact_values(maybe_jit):
 def test_limiting_leaf_without_overflow(maybe_jit):
   g = _grads()
   del g["bad"]
-  d = maybe_jit(jls.grad_diagnostics)(g, jls.DynamicScaleState.create(init_scale=4.0))
+  d = maybe_jit(jls.diagnostics.grad_diagnostics)(g, jls.DynamicScaleState.create(init_scale=4.0))
   assert float(d["min_headroom"]) == 2.0
-  assert jls.grad_leaf_names(g)[int(d["min_headroom_leaf"])] == "big/0"
+  assert jls.diagnostics.grad_leaf_names(g)[int(d["min_headroom_leaf"])] == "big/0"
   assert int(d["nonfinite"]) == 0
   # Doubling the scale (and so the scaled gradients) twice reaches exactly 65504.
   g4 = jax.tree_util.tree_map(lambda x: x * 4 if jnp.issubdtype(x.dtype, jnp.floating) else x, g)
-  d4 = maybe_jit(jls.grad_diagnostics)(g4, jnp.float32(16.0))
+  d4 = maybe_jit(jls.diagnostics.grad_diagnostics)(g4, jnp.float32(16.0))
   assert float(d4["min_headroom"]) == 0.0
   assert float(d4["big/0/max_abs"]) == 4094.0  # the true magnitude does not change
 
@@ -92,32 +92,34 @@ def test_scale_from_an_optimizer_state():
 
   tx = jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
   opt_state = tx.init({"w": jnp.zeros(2)})
-  d = jax.jit(jls.grad_diagnostics)({"w": jnp.array([16.0, 0.0])}, opt_state)
+  d = jax.jit(jls.diagnostics.grad_diagnostics)({"w": jnp.array([16.0, 0.0])}, opt_state)
   assert float(d["w/max_abs"]) == 2.0
-  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(1)}, jnp.ones(1), scale=opt_state)
+  r = jls.diagnostics.check_underflow(
+    _elementwise_loss, {"w": jnp.ones(1)}, jnp.ones(1), scale=opt_state
+  )
   assert float(r.scale) == 8.0
 
 
 def test_headroom_negative_above_float16_max_in_float32_grads():
-  d = jls.grad_diagnostics({"w": jnp.array([65504.0 * 8], jnp.float32)}, 1.0)
+  d = jls.diagnostics.grad_diagnostics({"w": jnp.array([65504.0 * 8], jnp.float32)}, 1.0)
   assert float(d["w/headroom"]) == -3.0
 
 
 def test_empty_and_int_only_trees():
   for tree in ({}, {"i": jnp.int32(1)}, [None]):
-    d = jls.grad_diagnostics(tree, 1.0)
+    d = jls.diagnostics.grad_diagnostics(tree, 1.0)
     assert set(d) == {"min_headroom", "min_headroom_leaf", "nonfinite"}
     assert float(d["min_headroom"]) == np.inf and int(d["min_headroom_leaf"]) == -1
 
 
 def test_duplicate_names_raise():
   with pytest.raises(ValueError, match="two leaves named 'a/b'"):
-    jls.grad_diagnostics({"a/b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, 1.0)
+    jls.diagnostics.grad_diagnostics({"a/b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, 1.0)
 
 
 def test_bfloat16_leaves():
   g = {"b": jnp.array([256.0, 0.0], jnp.bfloat16)}
-  d = jls.grad_diagnostics(g, 2.0)
+  d = jls.diagnostics.grad_diagnostics(g, 2.0)
   assert float(d["b/max_abs"]) == 128.0
   assert float(d["b/headroom"]) == pytest.approx(np.log2(65504 / 256), rel=1e-6)
   assert d["b/max_abs"].dtype == jnp.float32
@@ -125,7 +127,7 @@ def test_bfloat16_leaves():
 
 def test_no_host_sync():
   """The call returns while the gradients it reads are still being computed."""
-  diag = jax.jit(jls.grad_diagnostics)
+  diag = jax.jit(jls.diagnostics.grad_diagnostics)
   g = {"a": jnp.ones((64, 64), jnp.float16), "b": jnp.ones((8,), jnp.float32)}
   scale = jnp.float32(2.0)
   jax.block_until_ready(diag(g, scale))  # compiled for exactly the timed call's types
@@ -158,7 +160,7 @@ def test_counts_exactly_which_elements_float16_loses(maybe_jit):
   # (kept); 1e-3 kept; 0.0 is zero in float32 too (not counted).
   c = jnp.array([1e-9, 1e-7, 1e-3, 0.0], jnp.float32)
   params = {"w": jnp.ones(4, jnp.float32)}
-  check = maybe_jit(lambda p, b: jls.check_underflow(_elementwise_loss, p, b))
+  check = maybe_jit(lambda p, b: jls.diagnostics.check_underflow(_elementwise_loss, p, b))
   r = check(params, c)
   assert int(r.nonzero["w"]) == 3
   assert int(r.lost_unscaled["w"]) == 1
@@ -175,10 +177,10 @@ def test_counts_exactly_which_elements_float16_loses(maybe_jit):
 
 def test_scaled_backward_that_overflows_is_reported():
   c = jnp.array([1e-9, 1.0], jnp.float32)  # 1.0 * 2**16 overflows float16
-  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c)
+  r = jls.diagnostics.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c)
   assert bool(r.finite_unscaled) and not bool(r.finite_scaled)
   assert "scale 2^16 overflows" in r.verdict()
-  r = jls.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c * 1e5)
+  r = jls.diagnostics.check_underflow(_elementwise_loss, {"w": jnp.ones(2)}, c * 1e5)
   assert not bool(r.finite_unscaled)
   assert r.verdict().startswith("float16 overflows even without scaling")
 
@@ -208,13 +210,13 @@ def _mlp_setup(param_dtype=jnp.float32):
 def test_known_answer_both_ways(param_dtype):
   params, batch = _mlp_setup(param_dtype)
   # A loss of order 1: float16 keeps essentially every gradient element.
-  fine = jls.check_underflow(_mlp_loss(1.0), params, batch)
+  fine = jls.diagnostics.check_underflow(_mlp_loss(1.0), params, batch)
   assert fine.total() < 0.01, fine.table()
   assert not fine.needs_loss_scaling()
   assert fine.verdict().startswith("does not need loss scaling here")
   # The same model with a loss ~1e-9 smaller: every gradient flushes to 0
   # without scaling, none with 2**16 ... 2**40.
-  tiny = jls.check_underflow(_mlp_loss(1e-9), params, batch, scale=2.0**40)
+  tiny = jls.diagnostics.check_underflow(_mlp_loss(1e-9), params, batch, scale=2.0**40)
   assert tiny.total() == 1.0 and tiny.total(scaled=True) < 0.01, tiny.table()
   assert tiny.needs_loss_scaling()
   assert tiny.verdict().startswith("NEEDS loss scaling")
@@ -232,7 +234,7 @@ def test_activation_gradients_through_taps():
     return jnp.mean(jnp.square(out.astype(jnp.float32) - y)) * np.float32(1e-4)
 
   p = {"params": params, "taps": jnp.zeros((32, 16), jnp.float32)}
-  r = jls.check_underflow(loss_fn, p, batch)
+  r = jls.diagnostics.check_underflow(loss_fn, p, batch)
   assert int(r.nonzero["taps"]) == 32 * 16
   # Per-example activation gradients are 1/32 of the batch-mean loss's: many flush.
   assert r.total(prefix="taps") > r.total(prefix="params")
@@ -242,7 +244,7 @@ def test_activation_gradients_through_taps():
 def test_one_pass_per_leaf_no_leaf_sized_intermediate():
   """Each leaf is reduced in one loop: no s32/f32 copy of the leaf is written."""
   g = {"a": jnp.ones((512, 384), jnp.float16), "b": jnp.ones((1000,), jnp.float32)}
-  hlo = jax.jit(jls.grad_diagnostics).lower(g, 2.0).compile().as_text()
+  hlo = jax.jit(jls.diagnostics.grad_diagnostics).lower(g, 2.0).compile().as_text()
   entry = hlo[hlo.index("ENTRY") :]
   for shape in ("[512,384]", "[1000]"):
     produced = [
@@ -263,7 +265,7 @@ def test_float64_leaves_are_reduced_in_float64():
   code = (
     "import jax; jax.config.update('jax_enable_x64', True)\n"
     "import jax.numpy as jnp, jax_lossscale as jls\n"
-    "d = jls.grad_diagnostics({'w': jnp.array([1e39, 0.0], jnp.float64)}, 1.0)\n"
+    "d = jls.diagnostics.grad_diagnostics({'w': jnp.array([1e39, 0.0], jnp.float64)}, 1.0)\n"
     "print(int(d['w/nonfinite']), float(d['w/headroom']), d['w/max_abs'].dtype)\n"
   )
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

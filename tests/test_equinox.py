@@ -55,7 +55,7 @@ def _step_fn(tx):
       loss = _loss(m, x, y)
       return jls.scale_loss(loss, opt_state), loss
 
-    (_, _aux), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model)
+    (_, _), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model)
     updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
     return eqx.apply_updates(model, updates), opt_state, updates, grads
 

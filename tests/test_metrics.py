@@ -71,20 +71,20 @@ def test_metrics_and_report_do_not_wait_for_the_device():
 
   @jax.jit
   def step(state, g):
-    grads_report = jls.nonfinite_leaves(g)
+    grads_report = jls.diagnostics.nonfinite_leaves(g)
     _, state = tx.update(g, state)
     return state, jls.metrics(state), grads_report
 
   g = jnp.asarray([1.0, jnp.nan], jnp.float32)
   step(state, {"w": g})  # compile first, and warm the eager paths
-  jls.metrics(state), jls.nonfinite_leaves({"w": g})
+  jls.metrics(state), jls.diagnostics.nonfinite_leaves({"w": g})
   n = calibrated_iterations(g)
 
   t0 = time.perf_counter()
   slow = slow_batch(g, n)
   new_state, m, report = step(state, {"w": slow})
   m2 = jls.metrics(new_state)  # eager, on device values
-  report2 = jls.nonfinite_leaves({"w": slow})
+  report2 = jls.diagnostics.nonfinite_leaves({"w": slow})
   returned_s = time.perf_counter() - t0
   still_running = not slow.is_ready() and not m2["scale"].is_ready()
   jax.block_until_ready((m, m2, report, report2))
@@ -105,7 +105,7 @@ def test_nonfinite_leaves_reports_each_leaf(maybe_jit):
     "out": jnp.asarray([jnp.nan], jnp.bfloat16),
     "count": jnp.asarray(3, jnp.int32),
   }
-  report = maybe_jit(jls.nonfinite_leaves)(grads)
+  report = maybe_jit(jls.diagnostics.nonfinite_leaves)(grads)
   assert jax.tree_util.tree_structure(report) == jax.tree_util.tree_structure(grads)
   flat = {jax.tree_util.keystr(p): bool(v) for p, v in jax.tree_util.tree_leaves_with_path(report)}
   assert flat == {
@@ -115,7 +115,7 @@ def test_nonfinite_leaves_reports_each_leaf(maybe_jit):
     "['out']": True,
   }
   assert all(v.dtype == jnp.bool_ and v.shape == () for v in jax.tree_util.tree_leaves(report))
-  assert jls.nonfinite_leaves({"a": None, "b": jnp.ones(1, jnp.float32)})["a"] is None
+  assert jls.diagnostics.nonfinite_leaves({"a": None, "b": jnp.ones(1, jnp.float32)})["a"] is None
 
 
 def test_metrics_of_flax_trainstate_field():

@@ -68,7 +68,7 @@ def test_nnx_optimizer_trains_and_reads_the_scale():
     losses.append(float(loss))
   assert losses[-1] < losses[0]
   assert float(m["scale"]) == 2.0**12 and int(m["skipped_steps"]) == 0
-  assert jls.to_torch_state_dict(optimizer.opt_state)["scale"] == 2.0**12
+  assert jls.torch.to_torch_state_dict(optimizer.opt_state)["scale"] == 2.0**12
 
 
 def test_nnx_same_updates_as_unscaled_optimizer():

@@ -165,7 +165,13 @@ def _run_optax(axis_type, name):
       grads = jax.grad(scaled)(params)
       updates, opt_state = tx.update(grads, opt_state, params)
       new = optax.apply_updates(params, updates)
-      return new, opt_state, updates, jls.metrics(opt_state), jls.nonfinite_leaves(grads)
+      return (
+        new,
+        opt_state,
+        updates,
+        jls.metrics(opt_state),
+        jls.diagnostics.nonfinite_leaves(grads),
+      )
 
     for i, x in enumerate(xs):
       x = jax.device_put(x, NamedSharding(mesh, P("d", None)))

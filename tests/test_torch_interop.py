@@ -72,7 +72,7 @@ def test_torch_to_jax_mid_run(cfg, switch_at):
   # 4 and 9 come right after an overflow (tracker 0); 5 is one clean step later.
   assert sd["_growth_tracker"] == (1 if switch_at == 5 else 0)
   jrun = JaxRun(cfg)
-  jrun.state = jrun.state._replace(loss_scale=jls.from_torch_state_dict(sd))
+  jrun.state = jrun.state._replace(loss_scale=jls.torch.from_torch_state_dict(sd))
   got += [jrun.step(ok) for ok in PATTERN[switch_at:]]
   assert got == expected
 
@@ -86,7 +86,7 @@ def test_jax_to_torch_mid_run(cfg, fresh_scaler):
   switch_at = 6
   jrun = JaxRun(cfg)
   got = [jrun.step(ok) for ok in PATTERN[:switch_at]]
-  sd = jls.to_torch_state_dict(jrun.state)
+  sd = jls.torch.to_torch_state_dict(jrun.state)
   assert list(sd) == list(torch.amp.GradScaler("cpu").state_dict())  # torch's keys, in order
   assert all(type(sd[k]) is type(v) for k, v in torch.amp.GradScaler("cpu").state_dict().items())
   # A fresh scaler initialises lazily from the dict; a used one overwrites its tensors.
@@ -103,7 +103,7 @@ def test_round_trip_and_values():
     init_scale=2.0**5, growth_factor=3.0, backoff_factor=0.25, growth_interval=7
   )
   s = s.replace(growth_tracker=jnp.asarray(4, jnp.int32))
-  sd = jls.to_torch_state_dict(s)
+  sd = jls.torch.to_torch_state_dict(s)
   assert sd == {
     "scale": 32.0,
     "growth_factor": 3.0,
@@ -111,17 +111,17 @@ def test_round_trip_and_values():
     "growth_interval": 7,
     "_growth_tracker": 4,
   }
-  back = jls.from_torch_state_dict(sd)
+  back = jls.torch.from_torch_state_dict(sd)
   assert back.config == s.config
   for name in ("scale", "growth_tracker", "skipped_steps", "consecutive_skips"):
     a, b = getattr(back, name), getattr(s, name)
     assert a.dtype == b.dtype and a.item() == b.item()
   # The scale is stored as float32, as torch does.
-  odd = jls.from_torch_state_dict({**sd, "scale": 0.1})
+  odd = jls.torch.from_torch_state_dict({**sd, "scale": 0.1})
   assert odd.scale.item() == float(np.float32(0.1))
   # Any tree holding the state works, e.g. an optimizer state.
   opt_state = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0).init({"w": jnp.zeros(1)})
-  assert jls.to_torch_state_dict(opt_state)["scale"] == 4.0
+  assert jls.torch.to_torch_state_dict(opt_state)["scale"] == 4.0
 
 
 GOOD = {
@@ -152,7 +152,7 @@ GOOD = {
 )
 def test_from_torch_state_dict_rejects_bad_input(sd, match):
   with pytest.raises(ValueError, match=match):
-    jls.from_torch_state_dict(sd)
+    jls.torch.from_torch_state_dict(sd)
 
 
 def _numpy_0d(value):
@@ -181,7 +181,7 @@ def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars(wrap):
       getattr(sd[k], "ndim", None) == 0 and not isinstance(sd[k], (int, float))
       for k in ("scale", "growth_factor", "growth_interval", "_growth_tracker")
     )
-  s = jls.from_torch_state_dict(sd)
+  s = jls.torch.from_torch_state_dict(sd)
   assert s.scale.item() == 512.0 and s.growth_tracker.item() == 2
   assert s.config.growth_interval == 10 and s.config.growth_factor == 2.0
   assert s.scale.dtype == jnp.float32 and s.growth_tracker.dtype == jnp.int32
@@ -190,29 +190,29 @@ def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars(wrap):
 
 def test_from_torch_state_dict_rejects_0d_non_numbers():
   with pytest.raises(ValueError, match=r"state_dict\['growth_interval'\] must be an integer"):
-    jls.from_torch_state_dict({**GOOD, "growth_interval": np.asarray(10.0)})
+    jls.torch.from_torch_state_dict({**GOOD, "growth_interval": np.asarray(10.0)})
   with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
-    jls.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
+    jls.torch.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
 
 
 @pytest.mark.parametrize("wrap", [_numpy_0d, _torch_0d], ids=["numpy-0d-array", "torch-0d-tensor"])
 def test_from_torch_state_dict_rejects_0d_bools(wrap):
   with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
-    jls.from_torch_state_dict({**GOOD, "scale": wrap(True)})
+    jls.torch.from_torch_state_dict({**GOOD, "scale": wrap(True)})
 
 
 def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
   with pytest.raises(ValueError, match="hysteresis=2"):
-    jls.to_torch_state_dict(jls.DynamicScaleState.create(hysteresis=2))
+    jls.torch.to_torch_state_dict(jls.DynamicScaleState.create(hysteresis=2))
   with pytest.raises(ValueError, match="max_scale"):
-    jls.to_torch_state_dict(jls.DynamicScaleState.create(max_scale=2.0**20))
+    jls.torch.to_torch_state_dict(jls.DynamicScaleState.create(max_scale=2.0**20))
   with pytest.raises(ValueError, match=r"min_scale=1\.0"):
-    jls.to_torch_state_dict(jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0))
+    jls.torch.to_torch_state_dict(jls.DynamicScaleState.create(init_scale=8.0, min_scale=1.0))
   # strict=False drops exactly those settings and keeps the rest.
   lossy = jls.DynamicScaleState.create(
     init_scale=8.0, min_scale=1.0, max_scale=2.0**20, hysteresis=3, growth_interval=5
   )
-  assert jls.to_torch_state_dict(lossy, strict=False) == {
+  assert jls.torch.to_torch_state_dict(lossy, strict=False) == {
     "scale": 8.0,
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
@@ -220,13 +220,13 @@ def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
     "_growth_tracker": 0,
   }
   # The defaults (what from_torch_state_dict builds) are what torch holds.
-  jls.to_torch_state_dict(jls.from_torch_state_dict(GOOD))
+  jls.torch.to_torch_state_dict(jls.torch.from_torch_state_dict(GOOD))
   static = jls.static_loss_scale(optax.sgd(1.0), 128.0).init({"w": jnp.zeros(1)})
   with pytest.raises(ValueError, match="static scale"):
-    jls.to_torch_state_dict(static)
-  assert jls.to_torch_state_dict(static, strict=False)["scale"] == 128.0
+    jls.torch.to_torch_state_dict(static)
+  assert jls.torch.to_torch_state_dict(static, strict=False)["scale"] == 128.0
   with pytest.raises(ValueError, match="outside jit"):
-    jax.jit(lambda s: jls.to_torch_state_dict(s)["scale"])(jls.DynamicScaleState.create())
+    jax.jit(lambda s: jls.torch.to_torch_state_dict(s)["scale"])(jls.DynamicScaleState.create())
 
 
 def test_interop_module_does_not_import_torch():
