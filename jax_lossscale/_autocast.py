@@ -24,16 +24,16 @@ The mixed-dtype rule (an elementwise primitive whose float operands disagree):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from collections.abc import Mapping
+import functools
 from typing import Any
 
 import jax
+from jax import lax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jax_lossscale._autocast_policy import DEFAULT_POLICY
 from jax_lossscale._autocast_policy import FLOAT32
