@@ -605,7 +605,7 @@ def _eval_shard_map(interp: _Interpreter, eqn, invals):
   jaxpr = params["jaxpr"]
 
   def body(*args):
-    return interp.eval_jaxpr(jaxpr, (), args)[0]
+    return tuple(interp.eval_jaxpr(jaxpr, (), args)[0])
 
   axis_names = params.get("newly_manual_axes", params.get("manual_axes", frozenset()))
   fn = jax.shard_map(
