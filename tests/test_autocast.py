@@ -869,3 +869,27 @@ def test_amp_step_with_dynamic_loss_scale():
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: autocast(loss_fn)(p, tokens, labels)))(p)
   dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
   assert len(dots) >= 15 and all(np.dtype(e.outvars[0].aval.dtype) == F16 for e in dots)
+
+
+# -- the guide ----------------------------------------------------------------------
+
+GUIDE = __import__("pathlib").Path(__file__).resolve().parent.parent / "docs/guides/autocast.md"
+
+
+def _guide_blocks():
+  import re
+
+  return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
+
+
+def test_the_guide_shows_the_policy_table_row_for_row():
+  text = GUIDE.read_text()
+  table = text.split("<!-- policy-table:start -->\n")[1].split("<!-- policy-table:end -->")[0]
+  rows = [line for line in table.strip().splitlines()[2:]]
+  want = [f"| `{r.primitive}` | {r.rule} | {r.torch} | {r.note} |" for r in POLICY_TABLE]
+  assert rows == want
+
+
+@pytest.mark.parametrize("index", range(len(_guide_blocks())))
+def test_the_guides_python_blocks_run(index):
+  exec(compile(_guide_blocks()[index], f"{GUIDE.name}[{index}]", "exec"), {})
