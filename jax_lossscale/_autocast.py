@@ -269,8 +269,10 @@ class _Interpreter:
     if handler is None and name in _REMAT_NAMES:
       handler = _eval_remat
     if handler is not None:
-      outs, flags = handler(self, eqn, invals)
-      return outs, flags
+      try:
+        return handler(self, eqn, invals)
+      except KeyError as e:  # a jax version whose params this handler does not know
+        raise _unsupported(f"{name}` (its parameter {e} is missing in this jax version") from e
     if name in _DECLARED:
       vals = _cast_to_declared(invals, [v.aval for v in eqn.invars])
       out = prim.bind(*vals, **eqn.params)
@@ -426,6 +428,16 @@ def _eval_remat(interp: _Interpreter, eqn, invals):
   return _no_flags(list(fn(*invals)))
 
 
+def _check_no_stale_tracers(consts, kind, rule):
+  if any(isinstance(c, jax.core.Tracer) for c in consts):
+    raise AutocastError(
+      f"autocast cannot rebuild a {kind} whose {rule} closes over a traced intermediate "
+      "value of the function (the rule is traced lazily, after that value's trace ended). "
+      f"Pass the value to the {kind} function as an argument, or exclude the region by "
+      "wrapping it in `jax_lossscale.float32(fn)`."
+    )
+
+
 def _eval_custom_jvp(interp: _Interpreter, eqn, invals):
   params = eqn.params
   closed = params["call_jaxpr"]
@@ -441,6 +453,7 @@ def _eval_custom_jvp(interp: _Interpreter, eqn, invals):
   def jvp(primals, tangents):
     outs = primal(*primals)
     jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(primals))
+    _check_no_stale_tracers(jvp_consts, "custom_jvp", "jvp rule")
     res, _ = interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [*primals, *tangents])
     nz_tangents = iter(res[len(out_zeros) :])
     out_tangents = []
@@ -478,6 +491,7 @@ def _eval_custom_vjp(interp: _Interpreter, eqn, invals):
   def fwd(*xs):
     outs = primal(*xs)
     fwd_jaxpr, fwd_consts = fwd_thunk.call_wrapped(*[True] * len(xs))
+    _check_no_stale_tracers(fwd_consts, "custom_vjp", "fwd rule")
     res_outs, _ = interp.eval_jaxpr(fwd_jaxpr, fwd_consts, list(xs))
     _, res_tree, input_fwds = out_trees()
     n_pruned = len(res_outs) - len(declared_out)

@@ -893,3 +893,30 @@ def test_the_guide_shows_the_policy_table_row_for_row():
 @pytest.mark.parametrize("index", range(len(_guide_blocks())))
 def test_the_guides_python_blocks_run(index):
   exec(compile(_guide_blocks()[index], f"{GUIDE.name}[{index}]", "exec"), {})
+
+
+def test_a_custom_jvp_rule_closing_over_an_intermediate_is_refused_clearly():
+  # jax itself fails on grad(jit(g)) here ("No constant handler" for a tracer).
+  def g(x, w):
+    h = x @ w
+    f = jax.custom_jvp(lambda y: jnp.sin(y) * h)
+    f.defjvp(lambda p, t: (f(p[0]), jnp.cos(p[0]) * h * t[0]))
+    return jnp.sum(f(x @ w))
+
+  assert autocast(g)(XS, W).dtype == F32  # the forward pass works
+  with pytest.raises(AutocastError, match="closes over a traced intermediate"):
+    jax.grad(autocast(g), argnums=1)(XS, W)
+
+
+def test_autocast_example_equinox_trains():
+  import pathlib
+  import runpy
+  import sys
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples/autocast_equinox.py"
+  module = runpy.run_path(str(path))
+  argv = sys.argv
+  try:
+    assert module["main"](["--smoke", "--steps", "30"]) == 0
+  finally:
+    sys.argv = argv
