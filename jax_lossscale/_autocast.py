@@ -391,7 +391,7 @@ def _eval_jit(interp: _Interpreter, eqn, invals):
   def body(*args):
     outs, flags = interp.eval_closed(closed, args)
     captured.append(flags)
-    return outs
+    return tuple(outs)
 
   body.__name__ = name or "jit"
   kwargs: dict[str, Any] = {}

@@ -920,3 +920,26 @@ def test_autocast_example_equinox_trains():
     assert module["main"](["--smoke", "--steps", "30"]) == 0
   finally:
     sys.argv = argv
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_a_nested_jit_keeps_its_in_and_out_shardings(axis_type):
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
+  s = NamedSharding(mesh, P("d"))
+  x = jax.device_put(_rand(0, (8, 4)), s)
+  inner = jax.jit(lambda a, w: a @ w, in_shardings=(s, None), out_shardings=s)
+
+  def f(x, w):
+    return inner(x, w) + 1.0
+
+  with jax.set_mesh(mesh):
+    out = jax.jit(autocast(f))(x, W)
+    g = jax.grad(lambda w: jnp.sum(autocast(f)(x, w).astype(jnp.float32)))(W)
+    ref = f(x, W)
+  assert out.dtype == F16 and out.sharding.spec[0] == "d"
+  (jit_eqn,) = [
+    e for e in _eqns_of(autocast(f), x, W, name="jit") if "lambda" in str(e.params["name"])
+  ]
+  assert jit_eqn.params["out_shardings"][0].spec[0] == "d"
+  assert g.dtype == F32
+  np.testing.assert_allclose(out.astype(jnp.float32), ref, rtol=1e-2, atol=1e-2)
