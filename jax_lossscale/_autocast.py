@@ -133,7 +133,10 @@ def _unsupported(name: str) -> AutocastError:
 
 
 def _is_eligible(dtype) -> bool:
-  return np.dtype(dtype) in _ELIGIBLE
+  try:
+    return np.dtype(dtype) in _ELIGIBLE
+  except TypeError:  # an extended dtype (PRNG keys)
+    return False
 
 
 def _cast(x, dtype):
@@ -227,7 +230,10 @@ class _Interpreter:
 
     def read(v):
       if isinstance(v, jex.Literal):
-        return v.val
+        val = v.val
+        if not hasattr(val, "dtype"):  # a Python scalar: give it its declared dtype
+          val = np.asarray(val, dtype=v.aval.dtype)
+        return val
       return env[v]
 
     def write(v, val):
