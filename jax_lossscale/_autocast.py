@@ -765,7 +765,7 @@ def autocast(fun: Callable, dtype=jnp.float16, policy: Mapping[Any, str] | None 
     ...   return jax.nn.softmax(x @ w + b)
     >>> x, w, b = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.zeros((4,))
     >>> autocast(lambda x, w, b: x @ w + b)(x, w, b).dtype
-    dtype(float16)
+    dtype('float16')
     >>> autocast(dense)(x, w, b).dtype
     dtype('float32')
   """
