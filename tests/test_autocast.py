@@ -943,3 +943,21 @@ def test_a_nested_jit_keeps_its_in_and_out_shardings(axis_type):
   assert jit_eqn.params["out_shardings"][0].spec[0] == "d"
   assert g.dtype == F32
   np.testing.assert_allclose(out.astype(jnp.float32), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_softmax_as_a_custom_jvp_gives_the_same_layers():
+  # jax_softmax_custom_jvp makes jax.nn.softmax a custom_jvp (the future default).
+  p = transformer_params()
+  tokens, labels = _tokens()
+  old = jax.config.jax_softmax_custom_jvp
+  jax.config.update("jax_softmax_custom_jvp", True)
+  try:
+    assert _eqns_of(jax.nn.softmax, jnp.ones(3), name="custom_jvp_call")
+    layers = autocast(transformer_layers)(p, tokens, labels)
+    g = jax.grad(lambda p: autocast(transformer_layers)(p, tokens, labels)["cross_entropy"])(p)
+    ref = jax.grad(lambda p: transformer_layers(p, tokens, labels)["cross_entropy"])(p)
+  finally:
+    jax.config.update("jax_softmax_custom_jvp", old)
+  assert {k: v.dtype for k, v in layers.items()} == TORCH_CUDA_LAYER_DTYPES
+  for k in p:
+    np.testing.assert_allclose(g[k], ref[k], rtol=0, atol=5e-3)
