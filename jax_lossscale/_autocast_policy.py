@@ -112,3 +112,24 @@ _DEFAULT = {row.primitive: row.rule for row in POLICY_TABLE}
 
 #: The default policy as a read-only mapping: primitive name -> rule.
 DEFAULT_POLICY: types.MappingProxyType[str, str] = types.MappingProxyType(_DEFAULT)
+
+
+def autocast_policy() -> tuple[PolicyRow, ...]:
+  """The default policy of ``autocast``: one row per lax primitive it casts.
+
+  Each :class:`PolicyRow` names the primitive, its rule (``"lower"``: runs in the
+  autocast dtype; ``"float32"``; ``"promote"``: the widest float dtype of its operands),
+  the entries of torch's CUDA autocast lists it stands for, and a note where the mapping
+  is not one to one. A primitive in no row promotes.
+
+  Returns:
+    The rows, in the order of the guide's table.
+
+  Examples:
+    >>> from jax_lossscale._autocast_policy import autocast_policy
+    >>> {row.primitive: row.rule for row in autocast_policy()}["dot_general"]
+    'lower'
+    >>> {row.primitive: row.rule for row in autocast_policy()}["exp"]
+    'float32'
+  """
+  return POLICY_TABLE

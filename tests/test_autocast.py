@@ -22,6 +22,7 @@ from jax_lossscale._autocast_policy import FLOAT32
 from jax_lossscale._autocast_policy import LOWER
 from jax_lossscale._autocast_policy import POLICY_TABLE
 from jax_lossscale._autocast_policy import PROMOTE
+from jax_lossscale._autocast_policy import autocast_policy
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -91,6 +92,7 @@ _PRIMITIVE_FUNS = {
 
 
 def test_every_table_row_is_tested_and_every_rule_is_known():
+  assert autocast_policy() == POLICY_TABLE
   assert {row.primitive for row in POLICY_TABLE} == set(_PRIMITIVE_FUNS)
   assert set(DEFAULT_POLICY.values()) <= {LOWER, FLOAT32, PROMOTE}
   assert all(row.torch for row in POLICY_TABLE)
