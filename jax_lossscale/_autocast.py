@@ -701,7 +701,7 @@ def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
   dyn_idx = tuple(i for i, x in enumerate(leaves) if _is_array(x))
   template = [None if i in dyn_idx else x for i, x in enumerate(leaves)]
   try:
-    key = (treedef, dyn_idx, tuple(template))
+    key = (treedef, dyn_idx, tuple((type(x), x) for x in template))  # 1 is not True
     hash(key)
   except TypeError:
     key = None

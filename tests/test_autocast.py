@@ -963,3 +963,19 @@ def test_softmax_as_a_custom_jvp_gives_the_same_layers():
   assert {k: v.dtype for k, v in layers.items()} == TORCH_CUDA_LAYER_DTYPES
   for k in p:
     np.testing.assert_allclose(g[k], ref[k], rtol=0, atol=5e-3)
+
+
+def test_static_arguments_are_held_static_and_told_apart():
+  def f(x, n, flag, act):
+    h = act(x @ x) * n
+    return h if flag is True else -h
+
+  x = _rand(0, (3, 3))
+  g = autocast(f)
+  a = g(x, 2.0, True, jnp.tanh)
+  b = g(x, 2.0, 1, jnp.tanh)  # True == 1 and hash(True) == hash(1): not the same call
+  np.testing.assert_array_equal(a, -b)
+  assert a.dtype == F16
+  np.testing.assert_array_equal(
+    g(x, 2.0, True, jax.nn.relu), autocast(f)(x, 2.0, True, jax.nn.relu)
+  )
