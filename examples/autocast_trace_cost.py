@@ -3,8 +3,10 @@
 The interpreter runs while JAX traces the function, so under ``jax.jit`` it adds to the
 trace (and, through the casts it inserts, to the compile), never to the step. This script
 lowers and compiles the gradient step of a 12-layer decoder (layers stacked and run by
-``lax.scan``) with and without ``autocast``, alternating the two, and prints the median
-of each and their ratio.
+``lax.scan``, ``jax.checkpoint`` per layer) with and without ``autocast``, alternating the
+two, and prints the median of each and their ratio. It then times the compiled steps of
+the float32 model, the autocast model and the same model with float16 casts written by
+hand, with their temporary memory.
 
 Run::
 
@@ -66,14 +68,46 @@ def _block(x, p, heads):
   return x + h @ p["w2"] + p["b2"]
 
 
-def loss_fn(params, tokens, heads=4):
+def _block_by_hand(x, p, heads):
+  """``_block`` with float16 casts written by hand, as ``examples/transformer_lm.py`` does.
+
+  float16 matmuls (bias included), softmax and layer norm on float32 input, GELU in
+  float16, float32 residual stream.
+  """
+  f16 = jnp.float16
+  b, t, d = x.shape
+  qkv = _norm(x, p["ln1"]).astype(f16) @ p["wqkv"].astype(f16)
+  q, k, v = jnp.split(qkv.reshape(b, t, 3 * heads, d // heads), 3, axis=2)
+  s = jnp.einsum("bthd,bshd->bhts", q, k) / float(np.sqrt(d // heads))
+  s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s.astype(jnp.float32), -1e4)
+  probs = jax.nn.softmax(s, axis=-1).astype(f16)
+  a = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d)
+  x = x + (a @ p["wo"].astype(f16)).astype(jnp.float32)
+  h = jax.nn.gelu(_norm(x, p["ln2"]).astype(f16) @ p["w1"].astype(f16) + p["b1"].astype(f16))
+  return x + (h @ p["w2"].astype(f16) + p["b2"].astype(f16)).astype(jnp.float32)
+
+
+def _loss(params, tokens, block, heads=4, f16_logits=False):
   x = params["emb"][tokens[:, :-1]]
   x, _ = lax.scan(
-    lambda x, p: (jax.checkpoint(_block, static_argnums=2)(x, p, heads), None), x, params["stack"]
+    lambda x, p: (jax.checkpoint(block, static_argnums=2)(x, p, heads), None), x, params["stack"]
   )
-  logits = x @ params["out"]
+  if f16_logits:
+    logits = (x.astype(jnp.float16) @ params["out"].astype(jnp.float16)).astype(jnp.float32)
+  else:
+    logits = x @ params["out"]
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def loss_fn(params, tokens):
+  """The float32 model: what ``autocast`` is applied to."""
+  return _loss(params, tokens, _block)
+
+
+def loss_by_hand(params, tokens):
+  """The same model with hand-written float16 casts."""
+  return _loss(params, tokens, _block_by_hand, f16_logits=True)
 
 
 def trace_and_compile(fun, *args):
@@ -118,9 +152,27 @@ def main(argv=None):
   print(
     f"  ratio     trace {at / pt:.2f}x  compile {ac / pc:.2f}x  total {(at + ac) / (pt + pc):.2f}x"
   )
-  v32, _ = jax.jit(plain)(params, tokens)
-  v16, _ = jax.jit(cast)(params, tokens)
-  print(f"  loss float32 {float(v32):.5f}  autocast {float(v16):.5f}")
+  hand = jax.value_and_grad(loss_by_hand)
+  steps = {"plain": plain, "autocast": cast, "by hand": hand}
+  compiled = {k: jax.jit(f).lower(params, tokens).compile() for k, f in steps.items()}
+  step_times: dict[str, list[float]] = {k: [] for k in steps}
+  for _ in range(args.repeats):
+    for k, c in compiled.items():
+      jax.block_until_ready(c(params, tokens))
+      t0 = time.perf_counter()
+      jax.block_until_ready(c(params, tokens))
+      step_times[k].append(time.perf_counter() - t0)
+  print("  compiled gradient step (median; CPU has no float16 arithmetic, so float16 is slower):")
+  for k, c in compiled.items():
+    mem = c.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**20
+    value = float(c(params, tokens)[0])
+    print(
+      f"  {k:9s} step {statistics.median(step_times[k]) * 1e3:8.1f} ms  "
+      f"temp {temp:8.2f} MiB  loss {value:.5f}"
+    )
+  ratio = statistics.median(step_times["autocast"]) / statistics.median(step_times["by hand"])
+  print(f"  autocast / by hand: step {ratio:.2f}x")
 
 
 if __name__ == "__main__":

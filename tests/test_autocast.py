@@ -979,3 +979,20 @@ def test_static_arguments_are_held_static_and_told_apart():
   np.testing.assert_array_equal(
     g(x, 2.0, True, jax.nn.relu), autocast(f)(x, 2.0, True, jax.nn.relu)
   )
+
+
+def test_trace_cost_example_runs_and_its_hand_cast_model_agrees(capsys):
+  import pathlib
+  import runpy
+
+  path = pathlib.Path(__file__).resolve().parent.parent / "examples/autocast_trace_cost.py"
+  module = runpy.run_path(str(path))
+  module["main"](["--smoke"])
+  out = capsys.readouterr().out
+  assert "ratio" in out and "autocast / by hand" in out
+  # The two float16 programs compute the same loss to float16 accuracy.
+  params = module["init"](jax.random.key(0), 2, 32, 256)
+  tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+  a = jax.jit(autocast(module["loss_fn"]))(params, tokens)
+  b = jax.jit(module["loss_by_hand"])(params, tokens)
+  np.testing.assert_allclose(a, b, rtol=1e-3)
