@@ -162,7 +162,7 @@ def main(argv=None):
       t0 = time.perf_counter()
       jax.block_until_ready(c(params, tokens))
       step_times[k].append(time.perf_counter() - t0)
-  print("  compiled gradient step (median; CPU has no float16 arithmetic, so float16 is slower):")
+  print("  compiled gradient step (median; CPU timings of float16 say little about a GPU):")
   for k, c in compiled.items():
     mem = c.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", float("nan")) / 2**20
