@@ -1,0 +1,135 @@
+"""The autocast policy: torch's CUDA autocast lists, mapped to lax primitives.
+
+The reference is ``aten/src/ATen/autocast_mode.h`` of torch 2.13.0 (commit
+``cf30153c4c131c8164ee7798e5022d810682e2cb``): its ``AT_FORALL_LOWER_PRECISION_FP``,
+``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE`` and ``AT_FORALL_PROMOTE`` lists,
+registered for CUDA in ``autocast_mode.cpp``. Each row of :data:`POLICY_TABLE` names
+the lax primitive, the list it joins here, and the torch entries it stands for.
+
+A primitive that is in no row runs in the dtypes of its operands, with the promotion
+rule of :mod:`jax_lossscale._autocast` when float operands disagree: that is what
+torch does for an op in none of its lists (``add``, ``mul``, ``tanh``, ``max``...).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import NamedTuple
+
+#: Run in the autocast dtype (float16 or bfloat16): float32 operands are cast down.
+LOWER = "lower"
+#: Run in float32: float16 and bfloat16 operands are cast up.
+FLOAT32 = "float32"
+#: Run in the widest float dtype of the operands (torch's promote list, and the
+#: rule for every primitive in no list).
+PROMOTE = "promote"
+
+RULES = (LOWER, FLOAT32, PROMOTE)
+
+
+class PolicyRow(NamedTuple):
+  """One row of the policy table."""
+
+  primitive: str
+  rule: str
+  torch: str
+  note: str = ""
+
+
+#: The default policy, row by row. Rendered in ``docs/guides/autocast.md``.
+POLICY_TABLE: tuple[PolicyRow, ...] = (
+  PolicyRow(
+    "dot_general",
+    LOWER,
+    "lower_precision_fp: matmul, mm, bmm, mv, addmm, addmv, addr, addbmm, baddbmm, linear,"
+    " einsum, chain_matmul, linalg_multi_dot, linalg_vecdot, the RNN cells,"
+    " scaled_dot_product_attention",
+    "Also jnp.dot, jnp.tensordot and jnp.vdot, which torch puts in its promote list"
+    " (dot, vdot, tensordot): lax has one contraction primitive.",
+  ),
+  PolicyRow(
+    "conv_general_dilated",
+    LOWER,
+    "lower_precision_fp: conv1d, conv2d, conv3d, conv_transpose1d/2d/3d, convolution,"
+    " _convolution, conv_tbc",
+  ),
+  PolicyRow("exp", FLOAT32, "fp32: exp"),
+  PolicyRow("expm1", FLOAT32, "fp32: expm1"),
+  PolicyRow(
+    "log",
+    FLOAT32,
+    "fp32: log, log2, log10",
+    "jnp.log2 and jnp.log10 are log followed by a div.",
+  ),
+  PolicyRow("log1p", FLOAT32, "fp32: log1p"),
+  PolicyRow("pow", FLOAT32, "fp32: pow (Tensor_Tensor, Scalar)"),
+  PolicyRow(
+    "integer_pow",
+    FLOAT32,
+    "fp32: pow (Tensor_Scalar), reciprocal",
+    "x ** 2, x ** 3 and jnp.reciprocal (integer_pow y=-1). jax.nn.gelu(approximate=True)"
+    " is written with x ** 3, so its output is float32 where torch's fused gelu kernel"
+    " returns float16.",
+  ),
+  PolicyRow(
+    "square",
+    FLOAT32,
+    "fp32: pow (torch.square is pow(x, 2))",
+    "Keeps x ** 2 in the variance of a layer norm from overflowing float16.",
+  ),
+  PolicyRow("rsqrt", FLOAT32, "fp32: rsqrt"),
+  PolicyRow("acos", FLOAT32, "fp32: acos"),
+  PolicyRow("asin", FLOAT32, "fp32: asin"),
+  PolicyRow("cosh", FLOAT32, "fp32: cosh"),
+  PolicyRow("sinh", FLOAT32, "fp32: sinh"),
+  PolicyRow("tan", FLOAT32, "fp32: tan"),
+  PolicyRow("erf_inv", FLOAT32, "fp32: erfinv"),
+  PolicyRow(
+    "reduce_sum",
+    FLOAT32,
+    "fp32_set_opt_dtype: sum; and the sums inside softmax, log_softmax, logsumexp,"
+    " layer_norm, group_norm, rms_norm, the norms and the losses (fp32)",
+    "jnp.mean is reduce_sum then div, so it is float32 too; torch.mean is in no list and"
+    " returns float16.",
+  ),
+  PolicyRow("reduce_prod", FLOAT32, "fp32_set_opt_dtype: prod"),
+  PolicyRow("cumsum", FLOAT32, "fp32_set_opt_dtype: cumsum"),
+  PolicyRow("cumprod", FLOAT32, "fp32_set_opt_dtype: cumprod"),
+  PolicyRow(
+    "cumlogsumexp",
+    FLOAT32,
+    "fp32: logsumexp (its cumulative form, torch.logcumsumexp, is in no list)",
+  ),
+  PolicyRow(
+    "atan2",
+    PROMOTE,
+    "promote: atan2; and addcdiv, addcmul, cross, index_put, scatter_add, bilinear,"
+    " grid_sampler (composites of promoting primitives here)",
+  ),
+)
+
+_DEFAULT = {row.primitive: row.rule for row in POLICY_TABLE}
+
+#: The default policy as a read-only mapping: primitive name -> rule.
+DEFAULT_POLICY: types.MappingProxyType[str, str] = types.MappingProxyType(_DEFAULT)
+
+
+def autocast_policy() -> tuple[PolicyRow, ...]:
+  """The default policy of ``autocast``: one row per lax primitive it casts.
+
+  Each :class:`PolicyRow` names the primitive, its rule (``"lower"``: runs in the
+  autocast dtype; ``"float32"``; ``"promote"``: the widest float dtype of its operands),
+  the entries of torch's CUDA autocast lists it stands for, and a note where the mapping
+  is not one to one. A primitive in no row promotes.
+
+  Returns:
+    The rows, in the order of the guide's table.
+
+  Examples:
+    >>> from jax_lossscale._autocast_policy import autocast_policy
+    >>> {row.primitive: row.rule for row in autocast_policy()}["dot_general"]
+    'lower'
+    >>> {row.primitive: row.rule for row in autocast_policy()}["exp"]
+    'float32'
+  """
+  return POLICY_TABLE
