@@ -64,6 +64,12 @@ BENCH_OUT ?= benchmarks/results
 gpu-bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench.py --quick --name bench-gpu-quick --out $(BENCH_OUT)
 
+# GPT-2 small (12 layers, d_model 768, seq 1024) on one GPU: the JAX variants against
+# PyTorch autocast + GradScaler, eager and torch.compile (~5 min on an H200); writes
+# bench-gpu-large.{md,json} to $(BENCH_OUT).
+gpu-bench-large:
+	PYTHONPATH=. $(PYTHON) benchmarks/bench_large.py --out $(BENCH_OUT)
+
 # Not part of `make test` or CI: run it before stopping whenever the update path changed.
 mutate: $(STAMP)
 	$(PY) tests/mutate.py

@@ -8,6 +8,10 @@ loss ``loss_fn(params, x, y) -> float32 scalar``. Two families:
 * ``transformer``: a decoder-only character LM (2 layers, d_model 64,
   4 heads, context 64): float16 matmuls, float32 layernorm statistics,
   softmax and cross-entropy, float32 residual stream.
+* ``gpt``: the GPT-2-style decoder of ``bench_gpt.py`` scaled down (4
+  layers, d_model 256, sequence 128, vocab 2048, batch 8), layers under
+  ``lax.scan``, AdamW: the forward and backward carry the step's weight, as
+  in real training.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 from typing import Callable
 from typing import NamedTuple
 
+import bench_gpt
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +37,7 @@ class Model(NamedTuple):
   make_batch: Callable[[int], tuple[jax.Array, jax.Array]]  # seed -> (x, y)
   loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array]  # float32 scalar
   config: dict[str, Any]  # what the JSON records about the model
+  make_tx: Callable[[], Any] | None = None  # the optimizer (None: optax.adam)
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -173,6 +179,22 @@ def transformer(name: str, label: str) -> Model:
   )
 
 
+# ----------------------------------------------------------------------------- GPT
+
+
+def gpt(name: str, label: str, cfg: bench_gpt.GPTConfig) -> Model:
+  """The GPT-2-style decoder of ``bench_gpt`` (float16 compute, AdamW), at its own batch."""
+  return Model(
+    name=name,
+    label=label,
+    init_params=lambda seed=0: bench_gpt.init_params(cfg, seed),
+    make_batch=lambda seed=1: bench_gpt.make_batch(cfg, seed),
+    loss_fn=lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, COMPUTE),
+    config={"gpt": cfg._asdict(), "batch": cfg.batch, "optimizer": "adamw"},
+    make_tx=lambda: optax.adamw(1e-4, weight_decay=0.1),
+  )
+
+
 # ----------------------------------------------------------------------------- registry
 
 MODELS: dict[str, Model] = {
@@ -183,9 +205,14 @@ MODELS: dict[str, Model] = {
     mlp("mlp-30m", "MLP ~30M params, 6 leaves", [2048, 4096, 4096, 1024]),
     mlp("deep-30m", "100 layers ~30M params, 200 leaves", [548] * 101),
     transformer("transformer", "char-LM transformer ~0.12M params, 2 layers, 25 leaves"),
+    gpt(
+      "gpt",
+      "GPT decoder 3.7M params, 4 layers, d 256, seq 128, batch 8, AdamW, 16 leaves",
+      bench_gpt.CPU_GPT,
+    ),
     # Not in the default set: more leaves, for compile-time scaling.
     mlp("deep400-1m", "400 layers ~1M params, 800 leaves", [50] * 401),
   ]
 }
-DEFAULT_MODELS = ["mlp-1m", "deep-1m", "mlp-30m", "deep-30m", "transformer"]
+DEFAULT_MODELS = ["mlp-1m", "deep-1m", "mlp-30m", "deep-30m", "transformer", "gpt"]
 QUICK_MODELS = ["mlp-1m", "deep-1m", "transformer"]

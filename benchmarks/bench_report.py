@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 from typing import Any
 
@@ -31,7 +32,7 @@ def machine_info() -> dict[str, Any]:
   except OSError:
     pass
   versions = {"python": platform.python_version()}
-  for mod in ("jax", "jaxlib", "numpy", "optax", "flax", "jmp", "jax_lossscale"):
+  for mod in ("jax", "jaxlib", "numpy", "optax", "flax", "jmp", "torch", "jax_lossscale"):
     try:
       versions[mod] = __import__(mod).__version__
     except Exception:
@@ -99,16 +100,68 @@ def _memory_last(r, b) -> str:
   return f"{b['temp_bytes'] / MIB:.1f} / {grads / MIB:.1f} / {goal:.2f}"
 
 
+# The goals of issue 18: compile time of dynamic_loss_scale at most 1.5x the
+# plain step's (at 200 leaves), grad_diagnostics at most +0.05 of a plain step.
+COMPILE_GOAL = 1.5
+DIAGNOSTICS_GOAL = 0.05
+
+
+def _machine_line(info: dict[str, Any]) -> str:
+  return (
+    f"{info['date']}; {info['device']} ({info['cpu']}, {info['affinity']} cores); "
+    + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+    + f"; git {info['git_commit'] or '?'}."
+  )
+
+
+def _diagnostics_extra(r: dict[str, Any]) -> float | None:
+  """Median over rounds of (diagnostics step - dynamic_loss_scale step) / baseline step."""
+  v = r["variants"]
+  if not {"jls_diagnostics", "jax_lossscale"} <= set(v):
+    return None
+  rounds = zip(
+    v["jls_diagnostics"]["step_ms_all"],
+    v["jax_lossscale"]["step_ms_all"],
+    v["baseline"]["step_ms_all"],
+  )
+  return statistics.median((d - j) / b for d, j, b in rounds)
+
+
+def summary_lines(results: list[dict[str, Any]]) -> list[str]:
+  """One row per model: step ratio, compile-time ratios, what diagnostics add, against the goals."""
+  lines = [
+    "Summary: `dynamic_loss_scale` against the plain step. Compile time: XLA compile seconds "
+    "(wall / CPU time of the process, the latter less sensitive to a shared machine), goal "
+    f"<= {COMPILE_GOAL}x. Diagnostics: what `grad_diagnostics` on every step adds, in plain "
+    f"steps (median over rounds of the paired difference), goal <= +{DIAGNOSTICS_GOAL}.",
+    "",
+    "| model | step ratio | compile ratio (wall / CPU) | diagnostics add |",
+    "|---|---|---|---|",
+  ]
+  for r in results:
+    s = r["variants"].get("jax_lossscale")
+    if s is None:
+      continue
+    cpu = f" / {s['compile_cpu_ratio']:.2f}" if "compile_cpu_ratio" in s else ""
+    extra = _diagnostics_extra(r)
+    diag = "not run" if extra is None else f"{extra:+.3f}"
+    lines.append(
+      f"| {r['label']} | {s['ratio_median']:.2f} | {s['compile_ratio']:.2f}{cpu} | {diag} |"
+    )
+  return lines + [""]
+
+
 def markdown(payload: dict[str, Any]) -> str:
+  if payload.get("kind") == "gpu-large":
+    return large_markdown(payload)
   info, settings, results = payload["machine"], payload["settings"], payload["results"]
   variants = shown_variants(payload)
   lines = [
     "# Loss-scaling overhead in a jitted train step",
     "",
-    f"{info['date']}; {info['device']} ({info['cpu']}, {info['affinity']} cores); "
-    + ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
-    + f"; git {info['git_commit'] or '?'}.",
+    _machine_line(info),
     "",
+    *summary_lines(results),
     "Full train step (forward + backward + Adam), float16 compute, float32 params, "
     f"batch {settings['batch']}, donated buffers. Median over {settings['rounds']} rounds "
     "(shuffled order) of the per-round step-time ratio to plain `optax.adam`; min..max in "
@@ -184,4 +237,47 @@ def memory_markdown(results: list[dict[str, Any]], variants: list[str]) -> str:
       f"| {r['model']} | (one float32 gradient buffer) | {r['gradient_bytes'] / MIB:.1f} | "
       f"{r['gradient_bytes'] / base:.2f} | |"
     )
+  return "\n".join(lines) + "\n"
+
+
+def large_markdown(payload: dict[str, Any]) -> str:
+  """The report of ``bench_large.py`` (GPT-2 small on a GPU, against PyTorch AMP)."""
+  info, st, results = payload["machine"], payload["settings"], payload["results"]
+  m = st["model"]
+  lines = [
+    "# GPT-2 small: loss scaling against PyTorch AMP",
+    "",
+    _machine_line(info) + f" Wall time {info.get('wall_s', 0):.0f} s.",
+    "",
+    f"A GPT-2-style decoder: {m['layers']} layers, d_model {m['d_model']}, {m['heads']} heads, "
+    f"sequence {m['seq']}, vocab {m['vocab']}, {st['params'] / 1e6:.1f}M params (float32), "
+    f"batch {m['batch']} ({st['tokens_per_step']} tokens a step), AdamW (lr "
+    f"{st['learning_rate']:g}, weight decay {st['weight_decay']:g}); JAX attention "
+    f"`{st['attention']}`, torch `scaled_dot_product_attention`. Median over "
+    f"{st['rounds']} rounds of {st['steps_per_round']} steps (shuffled order); the ratio is "
+    f"the median per-round step time over `{st['reference']}`'s (no loss scaling), min..max "
+    "in brackets. Memory: JAX, the compiled step's arguments + outputs - donated + "
+    "temporaries (`memory_analysis()`), and the process's `peak_bytes_in_use` after the "
+    "variant's warm-up (cumulative over the variants built before); torch, "
+    "`max_memory_allocated()` over its warm-up.",
+    "",
+    "| variant | tokens/s | step ms | ratio to float16 [min..max] | compile s | "
+    "compiled peak GiB | process / torch peak GiB | final loss | final state |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
+  gib = 2.0**30
+  for r in results.values():
+    mem = r["memory"]
+    peak = mem.get("compiled_peak_bytes")
+    other = mem.get("torch_max_memory_allocated_bytes", mem.get("process_peak_bytes_after_warmup"))
+    lines.append(
+      f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} | "
+      f"{r['ratio_median']:.3f} [{r['ratio_min']:.3f}..{r['ratio_max']:.3f}] | "
+      f"{r['compile_s']:.1f} | {'n/a' if peak is None else f'{peak / gib:.2f}'} | "
+      f"{'n/a' if other is None else f'{other / gib:.2f}'} | {r['final_loss']:.4f} | "
+      f"{json.dumps(r['final'])} |"
+    )
+  if payload.get("skipped"):
+    lines += ["", "Left out or changed:", ""]
+    lines += [f"- `{k}`: {v}" for k, v in payload["skipped"].items()]
   return "\n".join(lines) + "\n"

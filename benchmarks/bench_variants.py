@@ -36,7 +36,7 @@ class Variant(NamedTuple):
 class Spec(NamedTuple):
   name: str
   label: str
-  build: Callable[[Callable[..., Any]], Variant]  # loss_fn -> Variant
+  build: Callable[..., Variant]  # (loss_fn, make_tx) -> Variant
   requires: tuple[str, ...]  # "module" or "module:attribute"
   peer: bool  # another library's loss scaling (the report compares against these)
 
@@ -67,10 +67,23 @@ def missing(name: str) -> str | None:
   return None
 
 
-def make_variant(name: str, loss_fn: Callable[..., Any]) -> Variant:
+def adam() -> optax.GradientTransformation:
+  """The optimizer of every model but the GPT: plain Adam."""
+  return optax.adam(LEARNING_RATE)
+
+
+def adamw() -> optax.GradientTransformation:
+  """The GPT's optimizer: AdamW (weight decay 0.1, as GPT-2 training recipes)."""
+  return optax.adamw(LEARNING_RATE, weight_decay=0.1)
+
+
+def make_variant(
+  name: str, loss_fn: Callable[..., Any], make_tx: Callable[[], Any] | None = None
+) -> Variant:
+  """Variant ``name`` of the step of ``loss_fn``, with ``make_tx()`` (default Adam) inside."""
   if name not in REGISTRY:
     raise ValueError(f"variant must be one of {list(REGISTRY)}, got {name!r}.")
-  return REGISTRY[name].build(loss_fn)
+  return REGISTRY[name].build(loss_fn, make_tx or adam)
 
 
 def scaled_loss_fn(loss_fn, scale_state, x, y):
@@ -91,8 +104,8 @@ def _scale_notes(scale_state) -> dict[str, Any]:
 
 
 @variant("baseline", "plain optax.adam")
-def baseline(loss_fn):
-  tx = optax.adam(LEARNING_RATE)
+def baseline(loss_fn, make_tx):
+  tx = make_tx()
 
   def step(state, x, y):
     params, opt_state = state
@@ -104,8 +117,8 @@ def baseline(loss_fn):
 
 
 @variant("jax_lossscale", "jax_lossscale.dynamic_loss_scale")
-def jax_lossscale(loss_fn):
-  stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
+def jax_lossscale(loss_fn, make_tx):
+  stx = jls.dynamic_loss_scale(make_tx(), init_scale=INIT_SCALE)
 
   def step(state, x, y):
     params, opt_state = state
@@ -119,10 +132,10 @@ def jax_lossscale(loss_fn):
 
 
 @variant("jls_trainstate", "jax_lossscale.flax.TrainState", requires=("flax",))
-def jls_trainstate(loss_fn):
+def jls_trainstate(loss_fn, make_tx):
   from jax_lossscale import flax as jls_flax
 
-  tx = optax.adam(LEARNING_RATE)
+  tx = make_tx()
 
   def init(p):
     return jls_flax.TrainState.create(
@@ -143,10 +156,10 @@ def jls_trainstate(loss_fn):
 
 
 @variant("flax", "Flax DynamicScale + where", requires=("flax",), peer=True)
-def flax_dynamic_scale(loss_fn):
+def flax_dynamic_scale(loss_fn, make_tx):
   from flax.training import dynamic_scale as flax_ds
 
-  tx = optax.adam(LEARNING_RATE)
+  tx = make_tx()
 
   def init(p):
     ds = flax_ds.DynamicScale(
@@ -169,10 +182,10 @@ def flax_dynamic_scale(loss_fn):
 
 
 @variant("jmp", "jmp DynamicLossScale + select_tree", requires=("jmp",), peer=True)
-def jmp_dynamic_loss_scale(loss_fn):
+def jmp_dynamic_loss_scale(loss_fn, make_tx):
   import jmp
 
-  tx = optax.adam(LEARNING_RATE)
+  tx = make_tx()
 
   # jmp 0.0.4's DynamicLossScale cannot be a `jit(...).lower` argument on
   # current JAX (its __post_init__ calls eval_shape on the ArgInfo
@@ -205,8 +218,8 @@ def jmp_dynamic_loss_scale(loss_fn):
 
 
 @variant("optax_aif", "optax.apply_if_finite (static scale)", peer=True)
-def optax_apply_if_finite(loss_fn):
-  atx = optax.apply_if_finite(optax.adam(LEARNING_RATE), max_consecutive_errors=1_000_000)
+def optax_apply_if_finite(loss_fn, make_tx):
+  atx = optax.apply_if_finite(make_tx(), max_consecutive_errors=1_000_000)
   inv = np.float32(1.0 / STATIC_SCALE)
 
   def step(state, x, y):
@@ -232,8 +245,8 @@ def optax_apply_if_finite(loss_fn):
 
 
 @variant("cond_ref", "reference: same scaler, lax.cond skip (not shipped)")
-def cond_reference(loss_fn):
-  tx = optax.adam(LEARNING_RATE)
+def cond_reference(loss_fn, make_tx):
+  tx = make_tx()
 
   def init(p):
     return (p, tx.init(p), jls.DynamicScaleState.create(init_scale=INIT_SCALE))
@@ -259,13 +272,13 @@ def cond_reference(loss_fn):
   "jax_lossscale.dynamic_loss_scale + grad_diagnostics",
   requires=("jax_lossscale.diagnostics:grad_diagnostics",),
 )
-def jls_with_diagnostics(loss_fn):
+def jls_with_diagnostics(loss_fn, make_tx):
   """The ``jax_lossscale`` step plus the per-layer diagnostics of every step.
 
   The diagnostics (a flat dict of scalars) are kept in the train state, as a
   logger's buffer would hold the last step's values, so XLA cannot drop them.
   """
-  stx = jls.dynamic_loss_scale(optax.adam(LEARNING_RATE), init_scale=INIT_SCALE)
+  stx = jls.dynamic_loss_scale(make_tx(), init_scale=INIT_SCALE)
 
   def diagnose(grads, opt_state):
     return jls.diagnostics.grad_diagnostics(grads, jls.get_scale_state(opt_state).scale)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import math
 from typing import Any
 from typing import Callable
@@ -25,7 +26,7 @@ FLOAT16_MAX = np.float32(65504.0)
 # subnormals (precision lost, 2**-24 ~ 6e-8 and below flush to 0).
 FLOAT16_TINY = np.float32(2.0**-14)
 
-_STATS = ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")
+_STATS = ("max_abs", "nonfinite", "headroom", "zero", "subnormal")
 
 
 def _scale_of(scale: Any) -> jax.Array:
@@ -82,38 +83,117 @@ def grad_leaf_names(grads: PyTree) -> list[str]:
   return [name for name, _ in _named_float_leaves(grads)]
 
 
-def _leaf_reduction(g: jax.Array, dt) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(max finite |g|, non-finite count, count below 2**-14)`` in one variadic reduce.
+_INT = {4: np.int32, 8: np.int64}
 
-  One ``lax.reduce`` over three operands is a single loop over the leaf.
-  Three separate ``jnp.max``/``jnp.sum`` calls are not fused on XLA:CPU
-  (each writes a leaf-sized intermediate first): measured 37 ms against
-  1.5 ms for one 2048x2048 float16 leaf on 2 CPU cores.
+
+def _leaf_counts(g: jax.Array) -> tuple[jax.Array, ...]:
+  """One pass over a leaf: ``(largest finite |g|, non-finite, zero, small non-zero)``.
+
+  The leaf is read as the integer bits of its magnitudes (in float32, or
+  float64 for float64 leaves): for non-negative floats the bit patterns are
+  ordered like the values, so every statistic is an integer compare, and the
+  four are one variadic ``lax.reduce`` (a single loop over the leaf; separate
+  ``jnp.max``/``jnp.sum`` calls each write a leaf-sized intermediate on
+  XLA:CPU). The largest magnitude comes back as a float32 scalar.
   """
-  a = jnp.abs(g.astype(dt))
-  finite = jnp.isfinite(a)
-  zero = np.zeros([], dt)
+  dt = compute_dtype(g.dtype)
+  it = _INT[dt.itemsize]
+  magnitude = jax.lax.bitcast_convert_type(g.astype(dt), it) & np.array(np.iinfo(it).max, it)
+  inf_bits = np.array(np.inf, dt).view(it)
+  tiny_bits = np.array(FLOAT16_TINY, dt).view(it)
+  zero = np.zeros([], it)
+  finite = magnitude < inf_bits
   operands = (
-    jnp.where(finite, a, zero),
+    jnp.where(finite, magnitude, zero),
     jnp.logical_not(finite).astype(jnp.int32),
-    (a < FLOAT16_TINY.astype(dt)).astype(jnp.int32),
+    (magnitude == zero).astype(jnp.int32),
+    ((magnitude > zero) & (magnitude < tiny_bits)).astype(jnp.int32),
   )
 
   def combine(x, y):
-    return jnp.maximum(x[0], y[0]), x[1] + y[1], x[2] + y[2]
+    return jnp.maximum(x[0], y[0]), x[1] + y[1], x[2] + y[2], x[3] + y[3]
 
-  init = (zero, np.zeros([], np.int32), np.zeros([], np.int32))
-  return jax.lax.reduce(operands, init, combine, tuple(range(a.ndim)))
+  count0 = np.zeros([], np.int32)
+  largest, nonfinite, zeros, small = jax.lax.reduce(
+    operands, (zero, count0, count0, count0), combine, tuple(range(g.ndim))
+  )
+  largest = jax.lax.bitcast_convert_type(largest, dt).astype(jnp.float32)
+  return largest, nonfinite, zeros, small
 
 
-def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> dict[str, jax.Array]:
+@jax.tree_util.register_pytree_node_class
+class GradDiagnostics(Mapping):
+  """What :func:`grad_diagnostics` returns: a mapping of flat keys, stored as vectors.
+
+  ``d["<leaf>/<stat>"]`` is a scalar (``<stat>`` one of ``max_abs``,
+  ``nonfinite``, ``headroom``, ``zero``, ``subnormal``), and
+  ``d["min_headroom"]``, ``d["min_headroom_leaf"]``, ``d["nonfinite"]`` the
+  totals; iteration gives the keys leaf by leaf. As a pytree its leaves are
+  the per-statistic vectors (in :func:`grad_leaf_names` order) and the three
+  totals, so it can be returned from ``jit``, carried through ``lax.scan``
+  (stacked values are indexed on their last axis) and ``jax.device_get``.
+  """
+
+  def __init__(self, names: tuple[str, ...], stats: dict[str, Any], totals: dict[str, Any]):
+    self._names = tuple(names)
+    self._index = {n: i for i, n in enumerate(self._names)}
+    self.stats = stats  # stat -> array [..., n_leaves]
+    self.totals = totals  # key -> array [...]
+
+  def tree_flatten(self):
+    keys_s, keys_t = tuple(self.stats), tuple(self.totals)
+    children = tuple(self.stats[k] for k in keys_s) + tuple(self.totals[k] for k in keys_t)
+    return children, (self._names, keys_s, keys_t)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    names, keys_s, keys_t = aux
+    stats = dict(zip(keys_s, children[: len(keys_s)]))
+    return cls(names, stats, dict(zip(keys_t, children[len(keys_s) :])))
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The leaf names, as :func:`grad_leaf_names` gives them."""
+    return self._names
+
+  def __getitem__(self, key: str) -> Any:
+    if key in self.totals:
+      return self.totals[key]
+    name, _, stat = key.rpartition("/")
+    if stat not in self.stats or name not in self._index:
+      raise KeyError(key)
+    return self.stats[stat][..., self._index[name]]
+
+  def __iter__(self):
+    for name in self._names:
+      for stat in self.stats:
+        yield f"{name}/{stat}"
+    yield from self.totals
+
+  def __len__(self) -> int:
+    return len(self._names) * len(self.stats) + len(self.totals)
+
+  def __repr__(self) -> str:
+    return f"GradDiagnostics({len(self._names)} leaves, {len(self)} keys)"
+
+  def flat(self) -> dict[str, Any]:
+    """The flat dict of host values (NumPy scalars or arrays), one transfer per statistic."""
+    host = jax.device_get((self.stats, self.totals))
+    out = GradDiagnostics(self._names, *host)
+    return {k: out[k] for k in out}
+
+
+def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> GradDiagnostics:
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
   the optimizer) and return the dict with the step's metrics: every value is
-  a JAX scalar, there is no host sync and no Python control flow on values,
-  and each leaf is read once (one fused set of reductions per leaf). For each
-  floating-point leaf named ``name`` (see :func:`grad_leaf_names`):
+  a JAX scalar, there is no host sync and no Python control flow on values.
+  Each leaf is read once (one loop computes all its statistics), and the
+  per-leaf arithmetic that follows is done on one vector for all leaves, so
+  the cost is about one read of the gradients whatever the leaf count.
+
+  For each floating-point leaf named ``name`` (see :func:`grad_leaf_names`):
 
   * ``name/max_abs`` (float32): the true (unscaled) largest magnitude of
     the leaf's finite elements, ``max|g| / scale``; 0 for an all-zero leaf.
@@ -121,19 +201,31 @@ def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> dict[str,
   * ``name/headroom`` (float32): ``log2(65504 / max|g|)`` over the *scaled*
     finite elements: how many doublings of the scale are left before this
     leaf overflows float16 (0 at exactly 65504, negative when it already
-    exceeds it, ``+inf`` for an all-zero leaf, ``-inf`` when the leaf holds an
-    inf or NaN).
-  * ``name/subnormal_or_zero`` (float32): the share of elements whose scaled
-    magnitude is below float16's smallest normal ``2**-14`` (including exact
-    zeros, ``-0.0`` too): float16 subnormals, which keep fewer bits, or values
-    flushed to zero. Zeros the model produces itself (ReLU, padding) count
-    too; :func:`check_underflow` separates those from real underflow.
+    exceeds it, ``+inf`` for an all-zero leaf). On an overflow step, when
+    the leaf holds an inf or NaN, it is ``-inf`` (and ``min_headroom`` too):
+    the scaler will skip the step and back off.
+  * ``name/zero`` (float32): the share of all elements that are exactly zero
+    (``-0.0`` too). Such zeros are mostly structural (ReLU, padding, the
+    embedding rows of tokens absent from the batch) and are zero in a
+    float32 backward as well: they are not underflow. Use
+    :func:`check_underflow` to tell lost gradient from structural zeros.
+  * ``name/subnormal`` (float32): of the elements that are *not* exactly
+    zero, the share whose scaled magnitude is below float16's smallest
+    normal ``2**-14``: float16 subnormals, which keep fewer significant
+    bits, and (for float32 gradients) values that a float16 cast would
+    flush to zero. 0 for a leaf with no non-zero elements. A layer whose
+    ``subnormal`` share stays high at the scale the scaler settles on is one
+    whose gradients float16 holds badly.
 
-  And over all leaves: ``min_headroom`` (float32, ``+inf`` with no float
-  leaves), ``min_headroom_leaf`` (int32 index into
-  :func:`grad_leaf_names`, the first such leaf on ties, -1 with no float
-  leaves), and ``nonfinite`` (int32, total inf/NaN count). The leaf with the
-  least headroom is the one that limits the loss scale.
+  And over all leaves:
+
+  * ``min_headroom`` (float32): the least headroom of any leaf (``+inf``
+    with no float leaves, ``-inf`` on an overflow step).
+  * ``min_headroom_leaf`` (int32): the index into :func:`grad_leaf_names`
+    of that leaf, the first one on ties; -1 with no float leaves. It is the
+    leaf that limits the loss scale.
+  * ``nonfinite`` (int32): the total inf/NaN count over all leaves (0 on a
+    step the scaler applies).
 
   Statistics are computed in float32 (float64 leaves in float64) and
   returned in float32. Counts are int32 (leaves of up to 2**31 elements).
@@ -141,63 +233,92 @@ def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> dict[str,
   Args:
     scaled_grads: pytree of gradients of the scaled loss. Integer, boolean
       and ``None`` leaves are ignored.
-    scale: the loss scale the gradients carry: a scalar, a
-      :class:`DynamicScaleState`, or an optimizer/train state holding one
-      (as :func:`get_scale_state` finds it).
+    scale: the loss scale the gradients carry. Any of: a Python number or a
+      scalar array; a :class:`DynamicScaleState`; or the optimizer state of
+      :func:`dynamic_loss_scale` (or a train state) holding one, as
+      :func:`get_scale_state` finds it. ``grad_diagnostics(grads,
+      opt_state)`` and ``grad_diagnostics(grads,
+      get_scale_state(opt_state).scale)`` give the same result.
 
   Returns:
-    A flat ``dict`` of scalar arrays, ready for TensorBoard/W&B/CLU writers.
+    A :class:`GradDiagnostics`: a read-only mapping from the keys above to
+    scalar arrays (``d["dense/kernel/headroom"]``, ``dict(d)``, ``d.items()``
+    give the flat dict of scalars for TensorBoard/W&B/CLU writers). It is a
+    pytree of one vector per statistic, so returning it from ``jit`` costs
+    eight outputs however many leaves there are (a flat dict of 1000
+    scalars costs 1000); :meth:`GradDiagnostics.flat` gives host floats.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from jax_lossscale.diagnostics import grad_diagnostics, grad_leaf_names
-    >>> g = {"a": jnp.array([4.0, 0.0], jnp.float16), "b": jnp.array([16376.0, 1e-7])}
+    >>> g = {"a": jnp.array([4.0, 0.0, 2e-5, 1.0], jnp.float16), "b": jnp.array([16376.0, 1e-7])}
     >>> d = jax.jit(grad_diagnostics)(g, 4.0)
-    >>> d["a/max_abs"].item(), d["a/subnormal_or_zero"].item(), d["b/headroom"].item()
-    (1.0, 0.5, 2.0)
-    >>> grad_leaf_names(g)[d["min_headroom_leaf"].item()]
-    'b'
+    >>> d["a/max_abs"].item(), d["a/zero"].item(), round(d["a/subnormal"].item(), 4)
+    (1.0, 0.25, 0.3333)
+    >>> d["b/headroom"].item(), grad_leaf_names(g)[d["min_headroom_leaf"].item()]
+    (2.0, 'b')
   """
   scale = _scale_of(scale)
-  out: dict[str, jax.Array] = {}
-  headrooms, nonfinite_total = [], jnp.zeros([], jnp.int32)
-  for name, g in _named_float_leaves(scaled_grads):
-    g = jnp.asarray(g)
-    dt = compute_dtype(g.dtype)
-    largest, nonfinite, small = _leaf_reduction(g, dt)
-    largest = largest.astype(jnp.float32)
-    headroom = jnp.where(nonfinite > 0, np.float32(-np.inf), jnp.log2(FLOAT16_MAX / largest))
-    size = max(int(np.prod(g.shape)), 1)
-    out[f"{name}/max_abs"] = largest / scale
-    out[f"{name}/nonfinite"] = nonfinite
-    out[f"{name}/headroom"] = headroom
-    out[f"{name}/subnormal_or_zero"] = small.astype(jnp.float32) / np.float32(size)
-    headrooms.append(headroom)
-    nonfinite_total = nonfinite_total + nonfinite
-  if headrooms:
-    stacked = jnp.stack(headrooms)
-    out["min_headroom"] = jnp.min(stacked)
-    out["min_headroom_leaf"] = jnp.argmin(stacked).astype(jnp.int32)
-  else:
-    out["min_headroom"] = jnp.asarray(np.float32(np.inf))
-    out["min_headroom_leaf"] = jnp.asarray(-1, jnp.int32)
-  out["nonfinite"] = nonfinite_total
-  return out
+  named = _named_float_leaves(scaled_grads)
+  names = tuple(name for name, _ in named)
+  leaves = [jnp.asarray(g) for _, g in named]
+  if not leaves:
+    empty_f = jnp.zeros([0], jnp.float32)
+    stats = {k: empty_f for k in _STATS}
+    stats["nonfinite"] = jnp.zeros([0], jnp.int32)
+    totals = {
+      "min_headroom": jnp.asarray(np.float32(np.inf)),
+      "min_headroom_leaf": jnp.asarray(-1, jnp.int32),
+      "nonfinite": jnp.zeros([], jnp.int32),
+    }
+    return GradDiagnostics(names, stats, totals)
+  largest, nonfinite, zeros, small = (jnp.stack(s) for s in zip(*map(_leaf_counts, leaves)))
+  size = np.array([max(int(np.prod(g.shape)), 1) for g in leaves], np.float32)
+  headroom = jnp.where(nonfinite > 0, np.float32(-np.inf), jnp.log2(FLOAT16_MAX / largest))
+  nonzero = size - zeros.astype(jnp.float32)
+  stats = {
+    "max_abs": largest / scale,
+    "nonfinite": nonfinite,
+    "headroom": headroom,
+    "zero": zeros.astype(jnp.float32) / size,
+    "subnormal": small.astype(jnp.float32) / jnp.maximum(nonzero, np.float32(1)),
+  }
+  totals = {
+    "min_headroom": jnp.min(headroom),
+    "min_headroom_leaf": jnp.argmin(headroom).astype(jnp.int32),
+    "nonfinite": jnp.sum(nonfinite),
+  }
+  return GradDiagnostics(names, stats, totals)
+
+
+# Top-level keys whose leaves are activation taps, not parameters: the
+# ``activations=`` argument of check_underflow, and Flax linen's collection
+# of ``self.perturb`` taps.
+ACTIVATION_PREFIXES = ("activations/", "perturbations/")
+
+
+def _is_activation(name: str) -> bool:
+  return name.startswith(ACTIVATION_PREFIXES)
 
 
 class UnderflowReport(NamedTuple):
   """What :func:`check_underflow` measured; a pytree of arrays (jit-safe).
 
-  All dicts are keyed by leaf name (:func:`grad_leaf_names` of the params).
+  All dicts are keyed by leaf name: :func:`grad_leaf_names` of the params,
+  and of the activation taps under ``"activations/"`` (or Flax linen's
+  ``"perturbations/"`` collection, when the params hold it). Those are the
+  *activation* gradients; the rest are *parameter* gradients.
 
   Attributes:
     nonzero: int32 per leaf, elements of the float32 gradient that are not 0.
-    lost_unscaled: int32 per leaf, of those, how many the float16 backward
-      without loss scaling (scale 1) returns as exactly 0.
-    lost_scaled: int32 per leaf, the same for the float16 backward at
+    lost_unscaled: int32 per leaf, of those, how many the half-precision
+      backward without loss scaling (scale 1) returns as exactly 0.
+    lost_scaled: int32 per leaf, the same for the half-precision backward at
       ``scale`` (gradients unscaled in float32 afterwards).
-    finite_unscaled: bool, whether the unscaled float16 gradients are finite.
-    finite_scaled: bool, whether the scaled float16 gradients are finite.
+    finite_unscaled: bool, whether the unscaled half-precision gradients are
+      finite.
+    finite_scaled: bool, whether the scaled half-precision gradients are
+      finite.
     scale: float32, the loss scale of the scaled backward.
   """
 
@@ -213,39 +334,68 @@ class UnderflowReport(NamedTuple):
     lost = self.lost_scaled if scaled else self.lost_unscaled
     return {k: int(lost[k]) / max(int(self.nonzero[k]), 1) for k in self.nonzero}
 
-  def total(self, scaled: bool = False, prefix: str = "") -> float:
-    """The share over all leaves (or over those whose name starts with ``prefix``)."""
+  def total(self, scaled: bool = False, prefix: str = "", keys: Any = None) -> float:
+    """The share of lost elements pooled over leaves (not an average of per-leaf shares).
+
+    Over all leaves, those whose name starts with ``prefix``, or the names in
+    ``keys``: lost elements summed over those leaves, divided by their
+    non-zero elements summed, so a kernel weighs as many elements as it has.
+    """
     lost = self.lost_scaled if scaled else self.lost_unscaled
-    keys = [k for k in self.nonzero if k.startswith(prefix)]
-    nz = sum(int(self.nonzero[k]) for k in keys)
-    return sum(int(lost[k]) for k in keys) / nz if nz else 0.0
+    names = [k for k in self.nonzero if k.startswith(prefix)] if keys is None else list(keys)
+    nz = sum(int(self.nonzero[k]) for k in names)
+    return sum(int(lost[k]) for k in names) / nz if nz else 0.0
+
+  def looked_at(self) -> dict[str, list[str]]:
+    """The leaves checked, as ``{"params": [...], "activations": [...]}``."""
+    acts = [k for k in self.nonzero if _is_activation(k)]
+    return {"params": [k for k in self.nonzero if not _is_activation(k)], "activations": acts}
+
+  def _needs(self, names: list[str], threshold: float) -> bool:
+    unscaled = self.total(keys=names)
+    return bool(names) and unscaled >= threshold and self.total(True, keys=names) < unscaled
 
   def needs_loss_scaling(self, threshold: float = 0.01) -> bool:
-    """Whether float16 without scaling loses at least ``threshold`` of the gradient."""
-    return self.total() >= threshold and self.total(scaled=True) < self.total()
+    """Whether half precision without scaling loses at least ``threshold`` of the gradient.
+
+    Judged separately for the parameter gradients and for the activation
+    gradients (when taps were given): either losing ``threshold`` or more
+    (``>=``), with scaling losing less, is a yes.
+    """
+    groups = self.looked_at()
+    return any(self._needs(names, threshold) for names in groups.values())
 
   def verdict(self, threshold: float = 0.01) -> str:
-    """One line: does this model need loss scaling at these params?"""
+    """One line: does this model need loss scaling at these params? Says what it looked at."""
     if not bool(self.finite_unscaled):
       return (
         "float16 overflows even without scaling (inf/NaN at scale 1): keep the "
         "overflowing ops in float32; loss scaling cannot help with that."
       )
     fr = self.fractions()
-    worst = max(fr, key=fr.get) if fr else "-"
     scale = float(self.scale)
     exp = math.log2(scale) if scale > 0 else float("nan")
     scale_txt = f"2^{exp:.0f}" if exp == round(exp) else f"{scale:g}"
-    with_scale = (
-      f"{self.total(scaled=True):.2%} at scale {scale_txt}"
-      if bool(self.finite_scaled)
-      else f"scale {scale_txt} overflows (the dynamic scaler backs off from it)"
-    )
-    head = (
-      f"float16 without loss scaling flushes {self.total():.2%} of the non-zero "
-      f"gradient elements to 0 (worst leaf {worst}: {fr.get(worst, 0.0):.2%}); "
-      f"{with_scale}"
-    )
+    parts = []
+    for group, names in self.looked_at().items():
+      if not names:
+        continue
+      worst = max(names, key=fr.get)
+      kind = "parameter" if group == "params" else "activation"
+      with_scale = (
+        f"{self.total(scaled=True, keys=names):.2%} at scale {scale_txt}"
+        if bool(self.finite_scaled)
+        else f"scale {scale_txt} overflows (the dynamic scaler backs off from it)"
+      )
+      parts.append(
+        f"{self.total(keys=names):.2%} of the non-zero {kind}-gradient elements "
+        f"({len(names)} leaves; worst {worst}: {fr[worst]:.2%}); {with_scale}"
+      )
+    if not parts:
+      parts.append("no gradient elements (no float leaves)")
+    head = "float16 without loss scaling flushes " + "; and ".join(parts)
+    if not self.looked_at()["activations"]:
+      head += " (parameter gradients only: pass activations= taps to check activations)"
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
     return f"does not need loss scaling here (threshold {threshold:.2%}): {head}."
@@ -267,6 +417,7 @@ def check_underflow(
   *,
   scale: ScaleLike = 2.0**16,
   half_dtype: DTypeLike = jnp.float16,
+  activations: PyTree | None = None,
 ) -> UnderflowReport:
   """A one-off check of one batch: does float16 flush this model's gradients to zero?
 
@@ -276,31 +427,51 @@ def check_underflow(
   :func:`dynamic_loss_scale` does), and ``loss_fn(params32, batch,
   jnp.float32)``, the reference, with every floating-point param cast to
   float32. Per leaf it counts the reference's non-zero gradient elements and,
-  of those, how many each float16 backward returns as exactly 0: the
+  of those, how many each half-precision backward returns as exactly 0: the
   gradient that half precision loses. Zeros the model produces itself (ReLU,
-  masking) are zero in the reference too and are not counted.
+  masking, embedding rows of absent tokens) are zero in the reference too
+  and are not counted.
+
+  Activation gradients (logits, attention scores, hidden states) often
+  underflow while every parameter gradient survives: parameter gradients sum
+  over the batch, per-element activation gradients do not. To check them, in
+  any framework (plain JAX, Equinox, Flax), pass ``activations``: a pytree
+  of float32 zeros (or ``jax.ShapeDtypeStruct`` s), one per activation to
+  tap. ``loss_fn`` is then called as ``loss_fn(params, batch, dtype, taps)``
+  and adds each tap to its activation, ``h = h + taps["logits"].astype(h.dtype)``
+  (a zero, so the loss does not change); the gradient of a tap is the
+  gradient of that activation. Taps are reported under ``"activations/<name>"``.
+  Flax linen's ``self.perturb(name, x)`` taps work too: pass the
+  ``"perturbations"`` collection inside ``params`` (``{"params": ...,
+  "perturbations": ...}``); its leaves count as activations. The verdict
+  judges parameter and activation gradients separately and says what it
+  looked at.
 
   It is a pure function of arrays (fine under ``jax.jit``; build the jitted
   function once and reuse it to check several batches or points in
   training). The result's host methods give the per-leaf shares
   (``fractions``, ``table``) and a one-line ``verdict()``.
 
-  To check activation gradients too, add zero "taps" to the params and add
-  them (cast to ``dtype``) to the activations inside ``loss_fn``: the
-  gradient of a tap is the gradient of that activation.
-
   Args:
-    loss_fn: ``loss_fn(params, batch, dtype) -> scalar loss``, running the
+    loss_fn: ``loss_fn(params, batch, dtype) -> scalar loss`` (with
+      ``activations``: ``loss_fn(params, batch, dtype, taps)``), running the
       model's half-precision compute (matmuls, activations) in ``dtype``.
     params: the parameters (float32 master params, or half params).
     batch: anything ``loss_fn`` takes as its batch.
     scale: the loss scale of the scaled backward (default torch's 2**16;
       pass the scaler's current scale, or the optimizer state, to check a
       point in training).
-    half_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``.
+    half_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``: the dtype of
+      both half-precision backwards (unscaled and scaled).
+    activations: optional pytree of activation taps (zeros of each
+      activation's shape; the values are ignored, float32 zeros are used).
 
   Returns:
     An :class:`UnderflowReport`.
+
+  Raises:
+    ValueError: if ``params`` already has a top-level ``"activations"`` key
+      and ``activations`` is given too.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -312,11 +483,44 @@ def check_underflow(
     ({'w': 1.0}, {'w': 0.0})
     >>> report.verdict()[:20]
     'NEEDS loss scaling: '
+
+    Activation taps in plain JAX: half of the logits' gradient flushes, the weight's does not
+    (each weight-gradient element sums over the batch, and half of its terms survive).
+
+    >>> def tapped(p, batch, dtype, taps):
+    ...   x, c = batch
+    ...   logits = x.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)
+    ...   return jnp.sum(logits.astype(jnp.float32) * c)
+    >>> x, c = jnp.ones((8, 2)), jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+    >>> r = check_underflow(tapped, {"w": jnp.ones((2, 2))}, (x, c),
+    ...                     activations={"logits": jnp.zeros((8, 2))})
+    >>> sorted(r.fractions().items())
+    [('activations/logits', 0.5), ('w', 0.0)]
+    >>> r.needs_loss_scaling()
+    True
   """
   scale = _scale_of(scale)
+  tapped = activations is not None
+  if tapped:
+    if isinstance(params, Mapping) and "activations" in params:
+      raise ValueError(
+        "activations: params already has a top-level 'activations' key; pass the "
+        "taps either inside params or as activations=, not both."
+      )
+    taps = jax.tree_util.tree_map(
+      lambda a: jnp.zeros(getattr(a, "shape", jnp.shape(a)), jnp.float32), activations
+    )
+    variables = {"params": params, "activations": taps}
+  else:
+    variables = params
 
-  def grads(p, dtype, s):
-    g = jax.grad(lambda q: jnp.asarray(loss_fn(q, batch, dtype)).astype(jnp.float32) * s)(p)
+  def call(v, dtype):
+    if tapped:
+      return loss_fn(v["params"], batch, dtype, v["activations"])
+    return loss_fn(v, batch, dtype)
+
+  def grads(v, dtype, s):
+    g = jax.grad(lambda q: jnp.asarray(call(q, dtype)).astype(jnp.float32) * s)(v)
     return unscale_and_check(g, s)
 
   def to32(x):
@@ -325,12 +529,20 @@ def check_underflow(
     x = jnp.asarray(x)
     return x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
 
-  ref, _ = grads(jax.tree_util.tree_map(to32, params), jnp.float32, jnp.float32(1))
-  g1, finite1 = grads(params, half_dtype, jnp.float32(1))
-  gs, finite_s = grads(params, half_dtype, scale)
-  ref_leaves = _named_float_leaves(ref)
-  flat1 = dict(_named_float_leaves(g1))
-  flats = dict(_named_float_leaves(gs))
+  ref, _ = grads(jax.tree_util.tree_map(to32, variables), jnp.float32, jnp.float32(1))
+  g1, finite1 = grads(variables, half_dtype, jnp.float32(1))
+  gs, finite_s = grads(variables, half_dtype, scale)
+
+  def named(tree):
+    out = _named_float_leaves(tree)
+    if not tapped:
+      return out
+    # The params' own names, as without taps; the taps under "activations/".
+    return [(n[len("params/") :] if n.startswith("params/") else n, x) for n, x in out]
+
+  ref_leaves = named(ref)
+  flat1 = dict(named(g1))
+  flats = dict(named(gs))
   nonzero, lost1, losts = {}, {}, {}
   for name, r in ref_leaves:
     nz = r != 0

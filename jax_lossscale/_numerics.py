@@ -66,6 +66,13 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   shift = jnp.where(big, _TWO_STEP_SHIFT, np.float32(1))
   # Not ``1 / scale``: XLA:GPU's float32 division is not correctly rounded.
   inv = exact_reciprocal(scale, jnp.where(big, 64, 0).astype(jnp.int32))
+  # ``inv / (1 + 0 * inv)`` is ``inv`` bit for bit (``inv`` is a finite normal
+  # float32). It ends the ~200 scalar integer ops of the long division with an
+  # op XLA:CPU counts as expensive, so its fusion pass does not copy the whole
+  # division into every fusion that unscales a gradient: at 200 leaves that
+  # copying tripled the step's compile time (79k lines of optimized HLO against
+  # 37k; 3.1x the plain step's compile CPU time against 1.8x).
+  inv = inv / (np.float32(1) + np.float32(0) * inv)
   return inv, shift
 
 

@@ -19,9 +19,12 @@ the old moment before it is replaced. Leaf by leaf, so the outputs need not
 all stay alive at once (on a 200-leaf 30M model, one combined predicate took
 344 MiB of temporaries against 230 MiB, and 1.56x against 1.43x plain Adam's
 step time). Other state (counts, schedules) is selected with ``finite``. This changes the compiled schedule only,
-never a value; it is applied on CPU, to leaves of at least ``LARGE``
-elements that are not sharded by an explicit mesh axis. Other backends fuse
-the selects with their producers and get plain ``jnp.where``s.
+never a value; it is applied to leaves of at least ``LARGE`` elements that
+are not sharded by an explicit mesh axis, in steps compiled for XLA:CPU. The
+platform is the one the step is lowered for (``jax.lax.platform_dependent``),
+not ``jax.default_backend()``: a step jitted onto CPU devices on a GPU host
+is ordered, a GPU step is not. Other backends fuse the selects with their
+producers and get plain ``jnp.where``s.
 
 Checked by ``tests/test_skip.py`` (bit-exactness, including subnormals and
 -0.0, in small and large leaves) and ``tests/test_compiled.py`` (no state
@@ -71,19 +74,47 @@ def _explicitly_sharded(x: Any) -> bool:
   return any(axis is not None for axis in spec)
 
 
-def _order_flag(x: Any):
-  """An always-true bool scalar computed from the first element of ``x``, or ``None``."""
-  if (
-    jax.default_backend() != "cpu"
-    or not is_float(x)
-    or jnp.size(x) < LARGE
-    or jnp.result_type(x).itemsize not in _BITS
-    or _explicitly_sharded(x)
-  ):
-    return None
+def _orderable(x: Any) -> bool:
+  """Whether ``x`` gets an ordering flag on XLA:CPU: a large float leaf, not explicitly sharded."""
+  return (
+    is_float(x)
+    and jnp.size(x) >= LARGE
+    and jnp.result_type(x).itemsize in _BITS
+    and not _explicitly_sharded(x)
+  )
+
+
+def _order_flag(x: Any) -> jax.Array:
+  """An always-true bool scalar computed from the first element of ``x``."""
   first = jnp.asarray(x)[(0,) * jnp.ndim(x)]  # a static slice: no reshape
   bits = jax.lax.bitcast_convert_type(first, _BITS[jnp.result_type(x).itemsize])
   return (bits | 1) != 0
+
+
+def _predicates(finite: jax.Array, leaves: list[Any]) -> list[jax.Array]:
+  """One predicate per output leaf: ``finite``, made to wait for large leaves on XLA:CPU.
+
+  The backend is the one the step is *compiled* for, not
+  ``jax.default_backend()``: ``jax.lax.platform_dependent`` stages both
+  variants and keeps one when lowering (a step jitted onto CPU devices on a
+  GPU host gets the flags, a GPU step on any host does not), so the compiled
+  code holds no conditional.
+  """
+  large = [i for i, x in enumerate(leaves) if _orderable(x)]
+  if not large:
+    return [finite] * len(leaves)
+
+  def cpu(finite, outs):
+    return [jnp.logical_and(finite, _order_flag(x)) for x in outs]
+
+  def other(finite, outs):
+    return [finite for _ in outs]
+
+  flagged = jax.lax.platform_dependent(finite, [leaves[i] for i in large], cpu=cpu, default=other)
+  preds = [finite] * len(leaves)
+  for i, p in zip(large, flagged):
+    preds[i] = p
+  return preds
 
 
 def _where(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -128,8 +159,7 @@ def skip_step(
   leaves, out_def = jax.tree_util.tree_flatten(out)
   # One predicate per output leaf: ``finite``, made to wait for that leaf
   # when it is large (always true, so the value is exactly ``finite``).
-  flags = [_order_flag(x) for x in leaves]
-  preds = [finite if f is None else jnp.logical_and(finite, f) for f in flags]
+  preds = _predicates(finite, leaves)
   shaped_like_out = lambda x: jax.tree_util.tree_structure(x) == out_def
 
   def select(new, old):

@@ -6,6 +6,7 @@
 * :func:`grad_leaf_names`: the leaf names, on the host, to read the two above.
 """
 
+from jax_lossscale._diagnostics import GradDiagnostics as GradDiagnostics
 from jax_lossscale._diagnostics import UnderflowReport as UnderflowReport
 from jax_lossscale._diagnostics import check_underflow as check_underflow
 from jax_lossscale._diagnostics import grad_diagnostics as grad_diagnostics
@@ -13,6 +14,7 @@ from jax_lossscale._diagnostics import grad_leaf_names as grad_leaf_names
 from jax_lossscale._metrics import nonfinite_leaves as nonfinite_leaves
 
 __all__ = (
+  "GradDiagnostics",
   "UnderflowReport",
   "check_underflow",
   "grad_diagnostics",

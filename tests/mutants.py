@@ -545,8 +545,8 @@ MUTANTS = [
   Mutant(
     "skip-shaped-state-unordered-value",
     SKIP,
-    "preds = [finite if f is None else jnp.logical_and(finite, f) for f in flags]",
-    "preds = [finite if f is None else f for f in flags]",
+    "return [jnp.logical_and(finite, _order_flag(x)) for x in outs]",
+    "return [_order_flag(x) for x in outs]",
     (TR, SK),
     "Adam's mu/nu of large leaves selected by the ordering flag alone (always true)",
   ),
@@ -569,8 +569,8 @@ MUTANTS = [
   Mutant(
     "skip-no-per-leaf-ordering",
     SKIP,
-    "preds = [finite if f is None else jnp.logical_and(finite, f) for f in flags]",
-    "preds = [finite for f in flags]",
+    "return [jnp.logical_and(finite, _order_flag(x)) for x in outs]",
+    "return [finite for x in outs]",
     (CMP, TR, SK),
     "Adam's mu/nu selects not ordered after their output leaf",
   ),

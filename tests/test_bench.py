@@ -19,6 +19,7 @@ _DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
 _spec = importlib.util.spec_from_file_location("bench", os.path.join(_DIR, "bench.py"))
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # puts benchmarks/ on sys.path for its sibling modules
+import bench_gpt  # noqa: E402
 import bench_models  # noqa: E402
 import bench_report  # noqa: E402
 import bench_variants  # noqa: E402
@@ -42,6 +43,7 @@ TINY = {
     bench_models.lm_loss_fn,
     {"transformer": TINY_LM},
   ),
+  "gpt": bench_models.gpt("tiny-gpt", "tiny GPT (AdamW)", bench_gpt.TINY_GPT),
 }
 _BASELINE = {}
 
@@ -60,7 +62,7 @@ def _losses(name, model, steps=3):
   params = model.init_params(0)
   x, y = model.make_batch(1)
   with standard_promotion():  # optax.adam and the peers are not strict-clean
-    variant, compiled, state, _, _ = bench.compile_variant(name, model, params, x, y)
+    variant, compiled, state, _, _, _ = bench.compile_variant(name, model, params, x, y)
     out = []
     for _ in range(steps):
       state, loss = compiled(state, x, y)
@@ -128,3 +130,52 @@ def test_committed_results_re_render_to_their_markdown(path):
     text = bench_report.markdown(json.load(f))
   with open(md) as f:
     assert text == f.read()
+
+
+def test_gpt_is_scanned_float16_and_matches_torch():
+  """The GPT: one scanned block, float16 matmuls; torch's module computes the same loss."""
+  import jax
+  import jax.numpy as jnp
+  import torch
+
+  cfg = bench_gpt.TINY_GPT
+  params = bench_gpt.init_params(cfg)
+  x, y = bench_gpt.make_batch(cfg)
+  assert sum(int(np.prod(p.shape)) for p in jax.tree_util.tree_leaves(params)) == (
+    bench_gpt.n_params(cfg)
+  )
+  assert bench_gpt.n_params(bench_gpt.GPT2_SMALL) == 124_475_904
+  hlo = jax.jit(lambda p: bench_gpt.loss_fn(p, x, y, cfg)).lower(params).as_text()
+  assert "f16" in hlo and "stablehlo.while" in hlo  # lax.scan over the layers
+  loss32 = float(jax.jit(lambda p: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32))(params))
+  model = bench_gpt.torch_model(cfg, params, "cpu")
+  with torch.no_grad():
+    logits = model(torch.tensor(np.array(x), dtype=torch.long))
+    ref = torch.nn.functional.cross_entropy(
+      logits.view(-1, cfg.vocab), torch.tensor(np.array(y), dtype=torch.long).view(-1)
+    )
+  assert loss32 == pytest.approx(float(ref), rel=1e-5)
+  assert abs(loss32 - np.log(cfg.vocab)) < 0.5
+
+
+def test_large_benchmark_runs_tiny_and_renders(tmp_path):
+  """The GPU script end to end on a tiny GPT (CPU): JSON and markdown, torch eager included."""
+  import json
+
+  spec = importlib.util.spec_from_file_location("bench_large", os.path.join(_DIR, "bench_large.py"))
+  large = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(large)
+  names = ["float16", "dynamic_loss_scale", "bfloat16", "torch_eager", "torch_compile"]
+  with standard_promotion():
+    large.main(
+      ["--tiny", "--out", str(tmp_path), "--name", "t", "--rounds", "2", "--variants", *names]
+    )
+  payload = json.loads((tmp_path / "t.json").read_text())
+  results = payload["results"]
+  assert set(results) == {"float16", "dynamic_loss_scale", "bfloat16", "torch_eager"}
+  assert "off-GPU" in payload["skipped"]["torch_compile"]
+  assert results["float16"]["ratio_median"] == 1.0
+  assert results["dynamic_loss_scale"]["final"]["skipped_steps"] == 0
+  for r in results.values():
+    assert r["tokens_per_s"] > 0 and abs(r["final_loss"] - np.log(128)) < 0.5
+  assert (tmp_path / "t.md").read_text() == bench_report.markdown(payload)

@@ -135,7 +135,73 @@ def test_flax_train_state_step_has_no_state_copy():
   assert _big_copies(_compile(step, state)) == 0
 
 
-def test_rules_apply_on_cpu_only(monkeypatch):
-  """Elsewhere the skip is a plain where (compiled here, so XLA:CPU copies again)."""
+def test_ordering_follows_the_compiled_platform_not_the_default_backend(monkeypatch):
+  """A step jitted onto CPU devices on a host whose default backend is another one.
+
+  The old check asked ``jax.default_backend()``: with it saying "gpu" the CPU
+  step lost its ordering and XLA:CPU copied every moment again. The platform
+  the step is lowered for decides now.
+  """
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert _big_copies(_compile_dynamic_loss_scale_step()) >= 2
+  cpu = jax.devices("cpu")[0]
+  tx = jls.dynamic_loss_scale(optax.adam(1e-3))
+  params = jax.device_put(_params(), cpu)
+
+  def step(state, x, y):
+    params, opt_state = state
+    grads = jax.grad(lambda p: jls.scale_loss(_loss(p, x, y), opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  x, y = jax.device_put(_batch(), cpu)
+  with standard_promotion():
+    compiled = jax.jit(step, donate_argnums=(0,)).lower((params, tx.init(params)), x, y).compile()
+  assert _big_copies(compiled) == 0
+  assert "conditional(" not in compiled.as_text()  # the platform choice is gone by then
+
+
+def _ordering_ops(platforms) -> int:
+  """``or`` ops (the ordering flags' ``bits | 1``) in the step exported for ``platforms``."""
+  tx = jls.dynamic_loss_scale(optax.adam(1e-3))
+  params = _params()
+
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with standard_promotion():
+    exported = jax.export.export(jax.jit(step), platforms=platforms)(
+      params, tx.init(params), params
+    )
+  return exported.mlir_module().count("stablehlo.or ")
+
+
+def test_other_platforms_get_plain_selects():
+  """Lowered for CUDA (here, without a GPU) the skip is plain wheres; for CPU it is ordered."""
+  plain = _ordering_ops(["cuda"])
+  assert _ordering_ops(["cpu"]) >= plain + 2  # one flag per large leaf (two here)
+  # Exported for both, both variants are kept until the compiler's platform is known.
+  assert _ordering_ops(["cpu", "cuda"]) >= plain + 2
+
+
+def test_unscaling_does_not_copy_the_reciprocal_into_every_fusion():
+  """The compiled step grows by a bounded factor over plain Adam's, not by the long division.
+
+  The reciprocal of the scale is ~200 scalar integer ops; XLA:CPU copied them
+  into each fusion that unscales a gradient until they ended in a division
+  (100 leaves: 33.8k lines against plain Adam's 5.7k; 12.8k with it).
+  """
+
+  def lines(tx, n=100):
+    params = {f"l{i:03d}": jnp.zeros((4,), jnp.float32) for i in range(n)}
+
+    def step(params, opt_state, grads):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    with standard_promotion():
+      compiled = jax.jit(step).lower(params, tx.init(params), params).compile()
+    return len(compiled.as_text().splitlines())
+
+  plain, scaled = lines(optax.adam(0.1)), lines(jls.dynamic_loss_scale(optax.adam(0.1)))
+  assert scaled <= 3 * plain, (plain, scaled)

@@ -1,6 +1,7 @@
 """grad_diagnostics (per-leaf float16 headroom, jit-safe) and check_underflow."""
 
 import time
+from typing import NamedTuple
 
 from conftest import calibrated_iterations
 from conftest import slow_batch
@@ -44,26 +45,27 @@ def test_exact_values(maybe_jit):
   d = {k: np.asarray(v) for k, v in d.items()}
   names = jls.diagnostics.grad_leaf_names(_grads())
   assert set(d) == {
-    f"{n}/{s}" for n in names for s in ("max_abs", "nonfinite", "headroom", "subnormal_or_zero")
+    f"{n}/{s}" for n in names for s in ("max_abs", "nonfinite", "headroom", "zero", "subnormal")
   } | {"min_headroom", "min_headroom_leaf", "nonfinite"}
   k = "layers_0/attn/kernel"
   assert d[f"{k}/max_abs"] == np.float32(2.0)  # 8 / 4, the finite maximum, unscaled
   assert d[f"{k}/nonfinite"] == 0
   # log2 of a non-power of two: XLA's and NumPy's may differ in the last bit.
   assert d[f"{k}/headroom"] == pytest.approx(np.log2(65504.0 / 8.0), rel=1e-6)
-  assert d[f"{k}/subnormal_or_zero"] == np.float32(0.4)  # -0.0 and 2**-15; 2**-14 is normal
-  # inf and NaN: counted, excluded from the maximum, headroom -inf.
+  assert d[f"{k}/zero"] == np.float32(0.2)  # -0.0 is a zero
+  assert d[f"{k}/subnormal"] == np.float32(0.25)  # 2**-15 of the 4 non-zeros; 2**-14 is normal
+  # inf and NaN: counted, excluded from the maximum, headroom -inf; neither zero nor small.
   assert d["bad/max_abs"] == np.float32(0.5)
   assert d["bad/nonfinite"] == 2
   assert d["bad/headroom"] == -np.inf
-  assert d["bad/subnormal_or_zero"] == 0.0
-  # All zeros: nothing can overflow.
+  assert d["bad/zero"] == 0.0 and d["bad/subnormal"] == 0.0
+  # All zeros: nothing can overflow, and nothing is subnormal (no non-zero element).
   assert d["zeros/max_abs"] == 0.0 and d["zeros/headroom"] == np.inf
-  assert d["zeros/subnormal_or_zero"] == 1.0
+  assert d["zeros/zero"] == 1.0 and d["zeros/subnormal"] == 0.0
   # 65504 / 16376 == 4: exactly two doublings left.
   assert d["big/0/headroom"] == 2.0
   assert d["big/0/max_abs"] == np.float32(4094.0)
-  assert d["big/0/subnormal_or_zero"] == 0.5
+  assert d["big/0/zero"] == 0.0 and d["big/0/subnormal"] == 0.5  # -1e-7 (float32)
   assert d["min_headroom"] == -np.inf
   assert names[int(d["min_headroom_leaf"])] == "bad"
   assert d["nonfinite"] == 2
@@ -71,6 +73,83 @@ def test_exact_values(maybe_jit):
     assert v.shape == (), key
     want = np.int32 if key.endswith(("nonfinite", "_leaf")) else np.float32
     assert v.dtype == want, (key, v.dtype)
+
+
+def test_structural_zeros_are_not_counted_as_subnormal():
+  """The embedding of a char LM: rows of characters absent from the batch are exact zeros.
+
+  They are zero in float32 too, so they are reported as ``zero``, and the
+  ``subnormal`` share (of the non-zero elements) stays 0.
+  """
+  rows = np.ones((10, 4), np.float32)
+  rows[:3] = 0.0  # 3 of 10 characters absent: 30% exact zeros
+  d = jls.grad_diagnostics({"embed": jnp.asarray(rows, jnp.float16)}, 1.0)
+  assert float(d["embed/zero"]) == pytest.approx(0.3)
+  assert float(d["embed/subnormal"]) == 0.0
+  assert "embed/subnormal_or_zero" not in d
+
+
+def test_overflow_step_is_documented_as_minus_inf_headroom_and_total_count():
+  g = {"a": jnp.array([1.0, jnp.inf], jnp.float16), "b": jnp.array([jnp.nan, jnp.nan, 1.0])}
+  d = jax.jit(jls.grad_diagnostics)(g, 2.0)
+  assert float(d["a/headroom"]) == -np.inf and float(d["b/headroom"]) == -np.inf
+  assert float(d["min_headroom"]) == -np.inf
+  assert int(d["nonfinite"]) == 3  # the total over all leaves
+  assert float(d["a/max_abs"]) == 0.5  # the finite elements only
+
+
+def test_every_documented_scale_argument_gives_the_same_result():
+  """``grad_diagnostics(grads, scale)`` takes a number, an array, the state or the opt_state."""
+  import optax
+
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
+  opt_state = tx.init({"w": jnp.zeros(3)})
+  g = {"w": jnp.array([16.0, 0.0, 1e-6], jnp.float32)}
+  want = jls.grad_diagnostics(g, 8.0).flat()
+  for scale in (
+    8,
+    jnp.float32(8.0),
+    jls.get_scale_state(opt_state),
+    jls.get_scale_state(opt_state).scale,
+    opt_state,
+  ):
+    got = jax.jit(jls.grad_diagnostics)(g, scale).flat()
+    assert got.keys() == want.keys()
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert want["w/max_abs"] == 2.0
+
+
+def test_result_is_a_small_pytree_with_the_flat_keys():
+  """Returned from jit it is one vector per statistic, not one scalar per leaf and statistic."""
+  g = {f"l{i:02d}": jnp.ones((3,)) * i for i in range(20)}
+  d = jax.jit(jls.grad_diagnostics)(g, 1.0)
+  assert len(jax.tree_util.tree_leaves(d)) == 8
+  assert len(d) == 20 * 5 + 3 and len(list(d)) == len(d)
+  assert float(d["l07/max_abs"]) == 7.0 and int(d["min_headroom_leaf"]) == 19
+  assert dict(d).keys() == d.flat().keys()
+  with pytest.raises(KeyError):
+    d["l07/nope"]
+  # Carried through lax.scan, the stacked values are indexed on their last axis.
+  _, logs = jax.lax.scan(lambda c, s: (c, jls.grad_diagnostics(g, s)), 0, jnp.array([1.0, 2.0]))
+  np.testing.assert_array_equal(np.asarray(logs["l07/max_abs"]), [7.0, 3.5])
+
+
+class _Dense(NamedTuple):
+  kernel: jax.Array
+  bias: jax.Array
+
+
+def test_attribute_keys_are_named_without_a_dot():
+  """Leaves under a NamedTuple field or an Equinox module attribute: ``dense/kernel``."""
+  import equinox as eqx
+
+  tree = {"dense": _Dense(jnp.ones((2, 2)), jnp.zeros(2))}
+  assert jls.grad_leaf_names(tree) == ["dense/kernel", "dense/bias"]
+  linear = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+  assert jls.grad_leaf_names({"head": linear}) == ["head/weight", "head/bias"]
+  d = jls.grad_diagnostics(tree, 1.0)
+  assert "dense/kernel/max_abs" in d and float(d["dense/kernel/max_abs"]) == 1.0
 
 
 def test_limiting_leaf_without_overflow(maybe_jit):
@@ -271,3 +350,116 @@ def test_float64_leaves_are_reduced_in_float64():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.split() == ["0", "-inf", "float32"]
+
+
+# ----------------------------------------------------------------------------
+# check_underflow: activations, the verdict's threshold and pooling, half_dtype
+
+
+def _report(nonzero, lost_unscaled, lost_scaled):
+  as_arrays = lambda d: {k: jnp.int32(v) for k, v in d.items()}
+  return jls.UnderflowReport(
+    as_arrays(nonzero),
+    as_arrays(lost_unscaled),
+    as_arrays(lost_scaled),
+    jnp.array(True),
+    jnp.array(True),
+    jnp.float32(2.0**16),
+  )
+
+
+def test_exactly_the_threshold_needs_scaling():
+  r = _report({"w": 100}, {"w": 1}, {"w": 0})  # exactly 1% lost
+  assert r.total() == 0.01
+  assert r.needs_loss_scaling(0.01)
+  assert r.verdict().startswith("NEEDS loss scaling")
+  assert not _report({"w": 1000}, {"w": 9}, {"w": 0}).needs_loss_scaling(0.01)  # 0.9%
+
+
+def test_total_pools_elements_over_leaves():
+  """A one-element bias that is lost weighs one element, not as much as a whole kernel."""
+  r = _report({"kernel": 99, "bias": 1}, {"kernel": 0, "bias": 1}, {"kernel": 0, "bias": 0})
+  assert r.fractions() == {"kernel": 0.0, "bias": 1.0}
+  assert r.total() == 0.01  # 1 of 100 elements (the mean of the shares would be 0.5)
+  assert r.total(prefix="k") == 0.0
+
+
+def test_scaled_backward_runs_in_half_dtype():
+  """bfloat16 has float32's range: 1.0 * 2**16 does not overflow it, as it does float16."""
+  c = jnp.array([1e-9, 1.0], jnp.float32)
+  params = {"w": jnp.ones(2)}
+  f16 = jls.check_underflow(_elementwise_loss, params, c)
+  bf16 = jls.check_underflow(_elementwise_loss, params, c, half_dtype=jnp.bfloat16)
+  assert not bool(f16.finite_scaled)
+  assert bool(bf16.finite_scaled) and bool(bf16.finite_unscaled)
+  assert int(bf16.lost_unscaled["w"]) == 0 and int(bf16.lost_scaled["w"]) == 0
+  assert not bf16.needs_loss_scaling()
+
+
+_V, _D, _B, _T = 65, 32, 16, 128  # a character vocabulary, as the Equinox nanoGPT's
+
+
+def _char_lm():
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {
+    "embed": jax.random.normal(k[0], (_V, _D)),
+    "head": jax.random.normal(k[1], (_D, _V)) * np.float32(3 / np.sqrt(_D)),
+  }
+  tokens = jax.random.randint(k[2], (_B, _T + 1), 0, 40)  # 25 characters never appear
+  return params, (tokens[:, :-1], tokens[:, 1:])
+
+
+def _char_lm_loss(p, batch, dtype, taps=None):
+  import optax
+
+  x, y = batch
+  logits = p["embed"].astype(dtype)[x] @ p["head"].astype(dtype)
+  if taps is not None:
+    logits = logits + taps["logits"].astype(dtype)
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def test_logit_gradients_flush_while_parameter_gradients_do_not():
+  """The nanoGPT-shaped case: params lose 0%, the logits' gradients ~25%: NEEDS scaling."""
+  params, batch = _char_lm()
+  taps = {"logits": jax.ShapeDtypeStruct((_B, _T, _V), jnp.float32)}
+  r = jax.jit(lambda p, b: jls.check_underflow(_char_lm_loss, p, b, activations=taps))(
+    params, batch
+  )
+  looked = r.looked_at()
+  assert looked == {"params": ["embed", "head"], "activations": ["activations/logits"]}
+  assert r.total(keys=looked["params"]) == 0.0
+  assert 0.2 < r.total(prefix="activations/") < 0.35
+  assert r.total(prefix="activations/", scaled=True) < 0.001  # 2**16 keeps almost all
+  # Rows of absent characters are zero in float32 too: not counted as lost.
+  assert int(r.nonzero["embed"]) == 40 * _D
+  assert r.needs_loss_scaling()
+  verdict = r.verdict()
+  assert verdict.startswith("NEEDS loss scaling: float16 without loss scaling flushes 0.00%")
+  assert "activation-gradient elements (1 leaves; worst activations/logits" in verdict
+  # Without taps it looks at the parameters only, and says so.
+  plain = jls.check_underflow(lambda p, b, dt: _char_lm_loss(p, b, dt), params, batch)
+  assert not plain.needs_loss_scaling()
+  assert "parameter gradients only" in plain.verdict()
+
+
+def test_flax_perturbations_count_as_activations():
+  params, batch = _char_lm()
+
+  def loss_fn(v, b, dtype):
+    return _char_lm_loss(v["params"], b, dtype, v["perturbations"])
+
+  variables = {"params": params, "perturbations": {"logits": jnp.zeros((_B, _T, _V))}}
+  r = jls.check_underflow(loss_fn, variables, batch)
+  assert r.looked_at()["activations"] == ["perturbations/logits"]
+  assert r.needs_loss_scaling()
+
+
+def test_taps_inside_params_and_as_argument_are_refused():
+  with pytest.raises(ValueError, match="activations"):
+    jls.check_underflow(
+      lambda p, b, dt, t: jnp.sum(p["w"]),
+      {"w": jnp.ones(1), "activations": jnp.zeros(1)},
+      None,
+      activations={"h": jnp.zeros(1)},
+    )

@@ -1,0 +1,485 @@
+"""``make gpu-bench-large``: loss scaling at GPT-2 small size, against PyTorch AMP, on one GPU.
+
+The model (``bench_gpt.GPT2_SMALL``): a GPT-2-style decoder, 12 layers,
+d_model 768, 12 heads, sequence 1024, vocab 50304, ~124M params, layers under
+``lax.scan``; float32 params, AdamW (lr 1e-4, weight decay 0.1), batch 16
+(16,384 tokens a step). Variants, all the same model, shapes and batch:
+
+* ``float32``: float32 compute, plain AdamW;
+* ``float16``: float16 compute, plain AdamW, no loss scaling (the reference
+  of every ratio: what loss scaling should cost nothing against);
+* ``dynamic_loss_scale``: ``jls.dynamic_loss_scale(adamw)``;
+* ``jls_trainstate``: ``jax_lossscale.flax.TrainState`` (the scaler a field);
+* ``flax_dynamic_scale``: Flax's ``DynamicScale`` with the ``jnp.where`` skip
+  of Flax's ImageNet example;
+* ``bfloat16``: bfloat16 compute with ``jls.no_loss_scale(adamw)``;
+* ``torch_eager`` / ``torch_compile``: the same architecture in PyTorch with
+  ``torch.autocast(float16)``, ``torch.amp.GradScaler`` and fused AdamW,
+  eager and with ``torch.compile(model)``.
+
+(``jls.autocast`` variants go beside the hand-cast ones once it exists; see
+:func:`autocast_variants`.)
+
+Every variant is compiled (and warmed up) first, its compile time printed;
+then in ``--rounds`` rounds, in a shuffled order, each runs ``--steps``
+steps ending in a device sync. Reported: tokens/s (median over rounds), the
+median per-round ratio of step time to ``float16``'s, compile seconds, and
+memory: for JAX the compiled step's ``memory_analysis()`` (arguments +
+outputs + temporaries, less aliased donations) and the process-wide
+``peak_bytes_in_use`` after the variant's warm-up (cumulative: JAX cannot
+reset it); for torch ``torch.cuda.max_memory_allocated()`` over its warm-up
+(reset before). Writes ``<out>/<name>.json`` and ``.md``.
+
+Sized for a 10-minute device budget: expected ~4-6 minutes on one H200
+(compiles dominate; ``--budget-s`` skips what would not fit and says so).
+
+Usage::
+
+  PYTHONPATH=. python benchmarks/bench_large.py                  # GPU, GPT-2 small
+  PYTHONPATH=. python benchmarks/bench_large.py --tiny --out /tmp # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import os
+
+# JAX must not take 75% of the GPU up front: torch shares the device here.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import bench_gpt  # noqa: E402
+from bench_gpt import GPTConfig  # noqa: E402
+import bench_report  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jax_lossscale as jls  # noqa: E402
+
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1
+INIT_SCALE = 2.0**16
+REFERENCE = "float16"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+  print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def adamw():
+  return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+
+class Built(NamedTuple):
+  """A variant ready to run: ``run(k) -> (seconds, last loss)`` after its warm-up."""
+
+  run: Callable[[int], tuple[float, float]]
+  compile_s: float
+  memory: dict[str, Any]
+  notes: Callable[[], dict[str, Any]]
+
+
+# ----------------------------------------------------------------------------- JAX
+
+
+def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[[], Any]]]:
+  """name -> (label, make() -> (init(params) -> state, step(state, x, y) -> (state, loss)))."""
+
+  def loss(dtype):
+    att = "xla" if dtype == jnp.float32 else attention  # cuDNN attention is half-only
+    return lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, dtype, att)
+
+  def plain(dtype):
+    def make():
+      tx, f = adamw(), loss(dtype)
+
+      def step(state, x, y):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(f)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+      return (lambda p: (p, tx.init(p))), step, lambda s: {}
+
+    return make
+
+  def wrapped(dtype, wrap):
+    def make():
+      tx, f = wrap(adamw()), loss(dtype)
+
+      def step(state, x, y):
+        params, opt_state = state
+
+        def scaled(p):
+          value = f(p, x, y)
+          return jls.scale_loss(value, opt_state), value
+
+        grads, value = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+      def notes(state):
+        s = jls.get_scale_state(state[1])
+        return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
+
+      return (lambda p: (p, tx.init(p))), step, notes
+
+    return make
+
+  def trainstate():
+    from jax_lossscale import flax as jls_flax
+
+    tx, f = adamw(), loss(jnp.float16)
+
+    def init(p):
+      return jls_flax.TrainState.create(
+        apply_fn=None,
+        params=p,
+        tx=tx,
+        dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
+      )
+
+    def step(state, x, y):
+      out = state.value_and_grad(f)(state.params, x, y)
+      return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+
+    return init, step, lambda s: {"scale": float(s.dynamic_scale.scale)}
+
+  def flax_ds():
+    from flax.training import dynamic_scale as flax_dynamic_scale
+
+    tx, f = adamw(), loss(jnp.float16)
+
+    def init(p):
+      ds = flax_dynamic_scale.DynamicScale(
+        scale=jnp.asarray(INIT_SCALE, jnp.float32), fin_steps=jnp.zeros([], jnp.int32)
+      )
+      return (p, tx.init(p), ds)
+
+    def step(state, x, y):
+      params, opt_state, ds = state
+      ds, is_fin, value, grads = ds.value_and_grad(f)(params, x, y)
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      select = lambda a, b: jnp.where(is_fin, a, b)
+      new_opt_state = jax.tree_util.tree_map(select, new_opt_state, opt_state)
+      new_params = jax.tree_util.tree_map(select, new_params, params)
+      return (new_params, new_opt_state, ds), value
+
+    return init, step, lambda s: {"scale": float(s[2].scale)}
+
+  dls = lambda tx: jls.dynamic_loss_scale(tx, init_scale=INIT_SCALE)
+  return {
+    "float32": ("float32, plain AdamW", plain(jnp.float32)),
+    "float16": ("float16, plain AdamW (no loss scaling)", plain(jnp.float16)),
+    "dynamic_loss_scale": ("float16, jls.dynamic_loss_scale", wrapped(jnp.float16, dls)),
+    "jls_trainstate": ("float16, jls.flax.TrainState", trainstate),
+    "flax_dynamic_scale": ("float16, Flax DynamicScale + where", flax_ds),
+    "bfloat16": ("bfloat16, jls.no_loss_scale", wrapped(jnp.bfloat16, jls.no_loss_scale)),
+  }
+
+
+def autocast_variants(cfg: GPTConfig) -> dict[str, tuple[str, Callable[[], Any]]]:
+  """Placeholder for the ``jls.autocast`` variants, beside the hand-cast ones.
+
+  ``jax_lossscale.autocast`` is being built in parallel; once it exists, its
+  float16 (dynamic scaling) and bfloat16 variants of the same step belong
+  here, with the same ``(label, make)`` entries as :func:`_jax_steps`.
+  """
+  del cfg
+  return {}
+
+
+def _memory(compiled) -> dict[str, Any]:
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # not every backend has it
+    return {}
+  if m is None:
+    return {}
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+  out = {f: int(getattr(m, f, 0)) for f in fields + ("temp_size_in_bytes",)}
+  out["compiled_peak_bytes"] = (
+    out["argument_size_in_bytes"]
+    + out["output_size_in_bytes"]
+    - out["alias_size_in_bytes"]
+    + out["temp_size_in_bytes"]
+  )
+  return out
+
+
+def _device_peak() -> int | None:
+  try:
+    stats = jax.local_devices()[0].memory_stats() or {}
+  except Exception:
+    return None
+  return stats.get("peak_bytes_in_use")
+
+
+def build_jax(make, params, x, y, warmup: int) -> Built:
+  init, step, notes = make()
+  state = init(jax.tree_util.tree_map(jnp.copy, params))
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=(0,)).lower(state, x, y).compile()
+  compile_s = time.perf_counter() - t0
+  memory = _memory(compiled)
+  holder = {"state": state}
+
+  def run(k):
+    state = holder["state"]
+    t0 = time.perf_counter()
+    for _ in range(k):
+      state, value = compiled(state, x, y)
+    jax.block_until_ready((state, value))
+    holder["state"] = state
+    return time.perf_counter() - t0, float(value)
+
+  run(warmup)
+  memory["process_peak_bytes_after_warmup"] = _device_peak()
+  return Built(run, compile_s, memory, lambda: notes(holder["state"]))
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def torch_device() -> str:
+  import torch
+
+  return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_torch(cfg: GPTConfig, params, x, y, warmup: int, compiled: bool) -> Built:
+  """``torch.autocast(float16)`` + ``GradScaler`` + fused AdamW, eager or ``torch.compile``."""
+  import torch
+  import torch.nn.functional as F
+
+  dev = torch_device()
+  model = bench_gpt.torch_model(cfg, params, dev)
+  try:
+    opt = torch.optim.AdamW(
+      model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, fused=True
+    )
+    fused = True
+  except (RuntimeError, TypeError, ValueError):
+    opt = torch.optim.AdamW(
+      model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY, foreach=True
+    )
+    fused = False
+  scaler = torch.amp.GradScaler(dev, init_scale=INIT_SCALE)
+  forward = torch.compile(model) if compiled else model
+  tx = torch.tensor(np.array(x), dtype=torch.long, device=dev)
+  ty = torch.tensor(np.array(y), dtype=torch.long, device=dev).view(-1)
+  sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+  def step():
+    with torch.autocast(device_type=dev, dtype=torch.float16):
+      logits = forward(tx)
+      value = F.cross_entropy(logits.float().view(-1, cfg.vocab), ty)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(value).backward()
+    scaler.step(opt)  # syncs with the host: found_inf.item()
+    scaler.update()
+    return value
+
+  if dev == "cuda":
+    torch.cuda.reset_peak_memory_stats()
+  t0 = time.perf_counter()
+  value = step()  # torch.compile compiles here
+  sync()
+  compile_s = time.perf_counter() - t0
+
+  def run(k):
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(k):
+      value = step()
+    sync()
+    return time.perf_counter() - t0, float(value.detach())
+
+  run(max(warmup - 1, 0))
+  memory = {"fused_adamw": fused}
+  if dev == "cuda":
+    memory["torch_max_memory_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+  del value
+  return Built(run, compile_s, memory, lambda: {"scale": float(scaler.get_scale())})
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default=os.path.join(_HERE, "results"))
+  p.add_argument("--name", default="bench-gpu-large")
+  p.add_argument("--tiny", action="store_true", help="a tiny GPT: a CPU smoke test")
+  p.add_argument("--batch", type=int, default=None)
+  p.add_argument("--rounds", type=int, default=None)
+  p.add_argument("--steps", type=int, default=None, help="steps per round")
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--variants", nargs="+", default=None)
+  p.add_argument(
+    "--attention",
+    default=None,
+    help="JAX attention: xla (einsum + float32 softmax) or cudnn (default on GPU)",
+  )
+  p.add_argument(
+    "--torch-compile-cpu",
+    action="store_true",
+    help="also run torch.compile off-GPU (skipped by default: slow on CPU)",
+  )
+  p.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit")
+  args = p.parse_args(argv)
+  gpu = jax.default_backend() == "gpu"
+  args.cfg = bench_gpt.TINY_GPT if args.tiny else bench_gpt.GPT2_SMALL
+  if args.batch:
+    args.cfg = args.cfg._replace(batch=args.batch)
+  args.rounds = args.rounds or (3 if args.tiny else 7)
+  args.steps = args.steps or (2 if args.tiny else 5)
+  args.attention = args.attention or ("cudnn" if gpu else "xla")
+  return args
+
+
+def run_all(args) -> dict[str, Any]:
+  cfg = args.cfg
+  info = bench_report.machine_info()
+  log(f"{info['device']}; {cfg}; {bench_gpt.n_params(cfg) / 1e6:.1f}M params")
+  params = bench_gpt.init_params(cfg, args.seed)
+  x, y = bench_gpt.make_batch(cfg, args.seed + 1)
+  specs = {**_jax_steps(cfg, args.attention), **autocast_variants(cfg)}
+  if not hasattr(jls, "autocast"):
+    log("jls.autocast is not in this build: its variants are left out (placeholder)")
+  torch_ok = True
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    torch_ok = False
+    log("torch is not installed: the torch variants are left out")
+  labels = {k: v[0] for k, v in specs.items()}
+  labels["torch_eager"] = "torch autocast(float16) + GradScaler + AdamW, eager"
+  labels["torch_compile"] = "torch autocast(float16) + GradScaler + AdamW, torch.compile"
+  names = args.variants or list(labels)
+  if REFERENCE not in names:
+    names = [REFERENCE] + names
+
+  built: dict[str, Built] = {}
+  skipped: dict[str, str] = {}
+  for name in names:
+    if time.perf_counter() - T0 > 0.6 * args.budget_s:
+      skipped[name] = f"not compiled: past 60% of the {args.budget_s:.0f}s budget"
+      log(f"{name}: {skipped[name]}")
+      continue
+    try:
+      if name in specs:
+        try:
+          built[name] = build_jax(specs[name][1], params, x, y, args.warmup)
+        except Exception as e:  # e.g. no cuDNN attention for this shape: plain XLA attention
+          if args.attention == "xla":
+            raise
+          log(f"{name}: {args.attention} attention failed ({type(e).__name__}); using xla")
+          fallback = {**_jax_steps(cfg, "xla"), **autocast_variants(cfg)}
+          built[name] = build_jax(fallback[name][1], params, x, y, args.warmup)
+          skipped[f"{name}:attention"] = "xla attention (cudnn failed)"
+      elif name in ("torch_eager", "torch_compile"):
+        if not torch_ok:
+          skipped[name] = "torch is not installed"
+          continue
+        if name == "torch_compile" and torch_device() != "cuda" and not args.torch_compile_cpu:
+          skipped[name] = "torch.compile is skipped off-GPU (--torch-compile-cpu runs it)"
+          log(f"{name}: {skipped[name]}")
+          continue
+        built[name] = build_torch(cfg, params, x, y, args.warmup, name == "torch_compile")
+      else:
+        raise ValueError(f"unknown variant {name!r}; known: {list(labels)}")
+      log(f"{name:20s} compiled in {built[name].compile_s:6.1f}s  {built[name].memory}")
+    except Exception as e:
+      skipped[name] = f"failed: {type(e).__name__}: {e}"[:500]
+      log(f"{name}: FAILED\n{traceback.format_exc()}")
+
+  if REFERENCE not in built:
+    raise SystemExit("the float16 reference did not build; nothing to compare against")
+  times: dict[str, list[float]] = {n: [] for n in built}
+  losses: dict[str, float] = {}
+  order = list(built)
+  rng = random.Random(args.seed)
+  for r in range(args.rounds):
+    if r and time.perf_counter() - T0 > 0.9 * args.budget_s:
+      log(f"stopping after {r} rounds: past 90% of the budget")
+      break
+    rng.shuffle(order)
+    for n in order:
+      dt, losses[n] = built[n].run(args.steps)
+      times[n].append(dt / args.steps)
+    log(f"round {r + 1}: " + ", ".join(f"{n} {1e3 * times[n][-1]:.1f}ms" for n in built))
+
+  tokens = cfg.batch * cfg.seq
+  results = {}
+  for n in built:
+    ratios = [t / b for t, b in zip(times[n], times[REFERENCE])]
+    results[n] = {
+      "label": labels[n],
+      "step_ms_median": 1e3 * statistics.median(times[n]),
+      "step_ms_all": [1e3 * t for t in times[n]],
+      "tokens_per_s": tokens / statistics.median(times[n]),
+      "ratio_median": statistics.median(ratios),
+      "ratio_min": min(ratios),
+      "ratio_max": max(ratios),
+      "compile_s": built[n].compile_s,
+      "memory": built[n].memory,
+      "final_loss": losses[n],
+      "final": built[n].notes(),
+    }
+  info["wall_s"] = time.perf_counter() - T0
+  return {
+    "kind": "gpu-large",
+    "machine": info,
+    "settings": {
+      "model": cfg._asdict(),
+      "params": bench_gpt.n_params(cfg),
+      "tokens_per_step": tokens,
+      "learning_rate": LEARNING_RATE,
+      "weight_decay": WEIGHT_DECAY,
+      "init_scale": INIT_SCALE,
+      "attention": args.attention,
+      "rounds": len(times[REFERENCE]),
+      "steps_per_round": args.steps,
+      "warmup": args.warmup,
+      "reference": REFERENCE,
+      "torch_device": torch_device() if torch_ok else None,
+    },
+    "results": results,
+    "skipped": skipped,
+  }
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  payload = run_all(args)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+    json.dump(payload, f, indent=1)
+  text = bench_report.markdown(payload)
+  with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+    f.write(text)
+  print("\n" + text, flush=True)
+  log(f"done, wall {payload['machine']['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+  main()
