@@ -21,7 +21,6 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
-from jax_lossscale._autocast import autocast
 
 
 def make_data(n=256, d=16, seed=0):
@@ -42,7 +41,7 @@ def loss_fn(model, x, y):
 
 
 def make_train_step(tx):
-  amp_loss = autocast(loss_fn)
+  amp_loss = jls.autocast(loss_fn)
 
   @eqx.filter_jit
   def train_step(model, opt_state, x, y):
@@ -67,8 +66,8 @@ def main(argv=None):
 
   x, y = make_data()
   model = make_model(jax.random.key(0))
-  pred = autocast(lambda m, x: jax.vmap(m)(x))(model, x)
-  print(f"autocast: predictions {pred.dtype}, loss {autocast(loss_fn)(model, x, y).dtype}")
+  pred = jls.autocast(lambda m, x: jax.vmap(m)(x))(model, x)
+  print(f"autocast: predictions {pred.dtype}, loss {jls.autocast(loss_fn)(model, x, y).dtype}")
   # init_scale 2**24 is too large on purpose: the first steps overflow float16.
   tx = jls.dynamic_loss_scale(optax.adam(1e-2), init_scale=2.0**24, growth_interval=20)
   opt_state = tx.init(eqx.filter(model, eqx.is_array))

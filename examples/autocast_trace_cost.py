@@ -25,7 +25,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._autocast import autocast
+import jax_lossscale as jls
 
 
 def init(key, layers, d, vocab):
@@ -135,7 +135,7 @@ def main(argv=None):
   params = init(jax.random.key(0), args.layers, args.d, 256)
   tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, 256)
   plain = jax.value_and_grad(loss_fn)
-  cast = jax.value_and_grad(autocast(loss_fn))
+  cast = jax.value_and_grad(jls.autocast(loss_fn))
   times = {"plain": [], "autocast": []}
   for _ in range(args.repeats):
     for name, fun in (("plain", plain), ("autocast", cast)):

@@ -2,7 +2,8 @@
 
 The names a user needs first are the transformations (:func:`dynamic_loss_scale`,
 :func:`static_loss_scale`, :func:`no_loss_scale`), :func:`scale_loss` and
-:func:`metrics`. The scale rule's building blocks (:func:`update_scale`,
+:func:`metrics`, and :func:`autocast` (torch's autocast policy for any JAX
+function, with :func:`float32` to keep a region in float32). The scale rule's building blocks (:func:`update_scale`,
 :func:`unscale_and_check`, :func:`all_finite`, :func:`scale_product`,
 :func:`fp16_roundtrip`) stay at the top level too. Interop and tooling live in
 namespaces: :mod:`jax_lossscale.flax` (the TrainState field; needs Flax),
@@ -17,6 +18,10 @@ from jax_lossscale import checkpoint as checkpoint
 from jax_lossscale import diagnostics as diagnostics
 from jax_lossscale import torch as torch
 from jax_lossscale._accumulation import multi_steps as multi_steps
+from jax_lossscale._autocast import AutocastError as AutocastError
+from jax_lossscale._autocast import autocast as autocast
+from jax_lossscale._autocast import float32 as float32
+from jax_lossscale._autocast_policy import autocast_policy as autocast_policy
 from jax_lossscale._guard import LossScaleError as LossScaleError
 from jax_lossscale._guard import check_skips as check_skips
 from jax_lossscale._metrics import metrics as metrics
@@ -40,14 +45,18 @@ from jax_lossscale._transform import static_loss_scale as static_loss_scale
 __version__ = "0.1.0"
 
 __all__ = (
+  "AutocastError",
   "DynamicScaleConfig",
   "DynamicScaleState",
   "LossScaleError",
   "LossScaleState",
   "LossScaleWarning",
   "all_finite",
+  "autocast",
+  "autocast_policy",
   "check_skips",
   "dynamic_loss_scale",
+  "float32",
   "fp16_roundtrip",
   "get_scale_state",
   "inner_state",

@@ -40,6 +40,7 @@ from jax_lossscale._autocast_policy import FLOAT32
 from jax_lossscale._autocast_policy import LOWER
 from jax_lossscale._autocast_policy import PROMOTE
 from jax_lossscale._autocast_policy import RULES
+from jax_lossscale._typing import DTypeLike
 
 __all__ = ("AutocastError", "autocast", "float32")
 
@@ -232,7 +233,7 @@ class _Interpreter:
       if isinstance(v, jex.Literal):
         val = v.val
         if not hasattr(val, "dtype"):  # a Python scalar: give it its declared dtype
-          val = np.asarray(val, dtype=v.aval.dtype)
+          val = np.asarray(val, dtype=v.aval.dtype)  # type: ignore[attr-defined]
         return val
       return env[v]
 
@@ -462,7 +463,7 @@ def _eval_custom_jvp(interp: _Interpreter, eqn, invals):
     _check_no_stale_tracers(jvp_consts, "custom_jvp", "jvp rule")
     res, _ = interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [*primals, *tangents])
     nz_tangents = iter(res[len(out_zeros) :])
-    out_tangents = []
+    out_tangents: list[Any] = []
     for p, zero in zip(outs, out_zeros, strict=True):
       if zero and jnp.issubdtype(p.dtype, jnp.inexact):
         out_tangents.append(jnp.zeros(p.shape, p.dtype))
@@ -531,7 +532,7 @@ def _eval_custom_vjp(interp: _Interpreter, eqn, invals):
     ct_avals = [a.to_tangent_aval() for a in declared_out]
     bwd_closed = jax.make_jaxpr(flat_bwd)(*_abstract(res_avals), *_abstract(ct_avals))
     cts_in, _ = interp.eval_closed(bwd_closed, [*res, *cts])
-    out = []
+    out: list[Any] = []
     for ct, zero, dt in zip(cts_in, zero_flags, arg_dtypes, strict=True):
       if zero or not jnp.issubdtype(dt, jnp.inexact):
         out.append(None)
@@ -725,7 +726,11 @@ def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
   return jitted(*[leaves[i] for i in dyn_idx])
 
 
-def autocast(fun: Callable, dtype=jnp.float16, policy: Mapping[Any, str] | None = None):
+def autocast(
+  fun: Callable[..., Any],
+  dtype: DTypeLike = jnp.float16,
+  policy: Mapping[Any, str] | None = None,
+) -> Callable[..., Any]:
   """Runs ``fun`` under torch's CUDA autocast policy, mapped to lax primitives.
 
   The returned function takes ``fun``'s arguments. It traces ``fun`` to a jaxpr and

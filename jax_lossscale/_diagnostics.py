@@ -411,7 +411,7 @@ class UnderflowReport(NamedTuple):
 
 
 def check_underflow(
-  loss_fn: Callable[[optax.Params, PyTree, DTypeLike], ArrayLike],
+  loss_fn: Callable[..., ArrayLike],
   params: optax.Params,
   batch: PyTree,
   *,

@@ -83,7 +83,7 @@ def test_structural_zeros_are_not_counted_as_subnormal():
   """
   rows = np.ones((10, 4), np.float32)
   rows[:3] = 0.0  # 3 of 10 characters absent: 30% exact zeros
-  d = jls.grad_diagnostics({"embed": jnp.asarray(rows, jnp.float16)}, 1.0)
+  d = jls.diagnostics.grad_diagnostics({"embed": jnp.asarray(rows, jnp.float16)}, 1.0)
   assert float(d["embed/zero"]) == pytest.approx(0.3)
   assert float(d["embed/subnormal"]) == 0.0
   assert "embed/subnormal_or_zero" not in d
@@ -91,7 +91,7 @@ def test_structural_zeros_are_not_counted_as_subnormal():
 
 def test_overflow_step_is_documented_as_minus_inf_headroom_and_total_count():
   g = {"a": jnp.array([1.0, jnp.inf], jnp.float16), "b": jnp.array([jnp.nan, jnp.nan, 1.0])}
-  d = jax.jit(jls.grad_diagnostics)(g, 2.0)
+  d = jax.jit(jls.diagnostics.grad_diagnostics)(g, 2.0)
   assert float(d["a/headroom"]) == -np.inf and float(d["b/headroom"]) == -np.inf
   assert float(d["min_headroom"]) == -np.inf
   assert int(d["nonfinite"]) == 3  # the total over all leaves
@@ -105,7 +105,7 @@ def test_every_documented_scale_argument_gives_the_same_result():
   tx = jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0)
   opt_state = tx.init({"w": jnp.zeros(3)})
   g = {"w": jnp.array([16.0, 0.0, 1e-6], jnp.float32)}
-  want = jls.grad_diagnostics(g, 8.0).flat()
+  want = jls.diagnostics.grad_diagnostics(g, 8.0).flat()
   for scale in (
     8,
     jnp.float32(8.0),
@@ -113,7 +113,7 @@ def test_every_documented_scale_argument_gives_the_same_result():
     jls.get_scale_state(opt_state).scale,
     opt_state,
   ):
-    got = jax.jit(jls.grad_diagnostics)(g, scale).flat()
+    got = jax.jit(jls.diagnostics.grad_diagnostics)(g, scale).flat()
     assert got.keys() == want.keys()
     for k in want:
       np.testing.assert_array_equal(got[k], want[k], err_msg=k)
@@ -123,7 +123,7 @@ def test_every_documented_scale_argument_gives_the_same_result():
 def test_result_is_a_small_pytree_with_the_flat_keys():
   """Returned from jit it is one vector per statistic, not one scalar per leaf and statistic."""
   g = {f"l{i:02d}": jnp.ones((3,)) * i for i in range(20)}
-  d = jax.jit(jls.grad_diagnostics)(g, 1.0)
+  d = jax.jit(jls.diagnostics.grad_diagnostics)(g, 1.0)
   assert len(jax.tree_util.tree_leaves(d)) == 8
   assert len(d) == 20 * 5 + 3 and len(list(d)) == len(d)
   assert float(d["l07/max_abs"]) == 7.0 and int(d["min_headroom_leaf"]) == 19
@@ -131,7 +131,9 @@ def test_result_is_a_small_pytree_with_the_flat_keys():
   with pytest.raises(KeyError):
     d["l07/nope"]
   # Carried through lax.scan, the stacked values are indexed on their last axis.
-  _, logs = jax.lax.scan(lambda c, s: (c, jls.grad_diagnostics(g, s)), 0, jnp.array([1.0, 2.0]))
+  _, logs = jax.lax.scan(
+    lambda c, s: (c, jls.diagnostics.grad_diagnostics(g, s)), 0, jnp.array([1.0, 2.0])
+  )
   np.testing.assert_array_equal(np.asarray(logs["l07/max_abs"]), [7.0, 3.5])
 
 
@@ -145,10 +147,10 @@ def test_attribute_keys_are_named_without_a_dot():
   import equinox as eqx
 
   tree = {"dense": _Dense(jnp.ones((2, 2)), jnp.zeros(2))}
-  assert jls.grad_leaf_names(tree) == ["dense/kernel", "dense/bias"]
+  assert jls.diagnostics.grad_leaf_names(tree) == ["dense/kernel", "dense/bias"]
   linear = eqx.nn.Linear(2, 3, key=jax.random.key(0))
-  assert jls.grad_leaf_names({"head": linear}) == ["head/weight", "head/bias"]
-  d = jls.grad_diagnostics(tree, 1.0)
+  assert jls.diagnostics.grad_leaf_names({"head": linear}) == ["head/weight", "head/bias"]
+  d = jls.diagnostics.grad_diagnostics(tree, 1.0)
   assert "dense/kernel/max_abs" in d and float(d["dense/kernel/max_abs"]) == 1.0
 
 
@@ -358,7 +360,7 @@ def test_float64_leaves_are_reduced_in_float64():
 
 def _report(nonzero, lost_unscaled, lost_scaled):
   as_arrays = lambda d: {k: jnp.int32(v) for k, v in d.items()}
-  return jls.UnderflowReport(
+  return jls.diagnostics.UnderflowReport(
     as_arrays(nonzero),
     as_arrays(lost_unscaled),
     as_arrays(lost_scaled),
@@ -388,8 +390,8 @@ def test_scaled_backward_runs_in_half_dtype():
   """bfloat16 has float32's range: 1.0 * 2**16 does not overflow it, as it does float16."""
   c = jnp.array([1e-9, 1.0], jnp.float32)
   params = {"w": jnp.ones(2)}
-  f16 = jls.check_underflow(_elementwise_loss, params, c)
-  bf16 = jls.check_underflow(_elementwise_loss, params, c, half_dtype=jnp.bfloat16)
+  f16 = jls.diagnostics.check_underflow(_elementwise_loss, params, c)
+  bf16 = jls.diagnostics.check_underflow(_elementwise_loss, params, c, half_dtype=jnp.bfloat16)
   assert not bool(f16.finite_scaled)
   assert bool(bf16.finite_scaled) and bool(bf16.finite_unscaled)
   assert int(bf16.lost_unscaled["w"]) == 0 and int(bf16.lost_scaled["w"]) == 0
@@ -423,7 +425,7 @@ def test_logit_gradients_flush_while_parameter_gradients_do_not():
   """The nanoGPT-shaped case: params lose 0%, the logits' gradients ~25%: NEEDS scaling."""
   params, batch = _char_lm()
   taps = {"logits": jax.ShapeDtypeStruct((_B, _T, _V), jnp.float32)}
-  r = jax.jit(lambda p, b: jls.check_underflow(_char_lm_loss, p, b, activations=taps))(
+  r = jax.jit(lambda p, b: jls.diagnostics.check_underflow(_char_lm_loss, p, b, activations=taps))(
     params, batch
   )
   looked = r.looked_at()
@@ -438,7 +440,7 @@ def test_logit_gradients_flush_while_parameter_gradients_do_not():
   assert verdict.startswith("NEEDS loss scaling: float16 without loss scaling flushes 0.00%")
   assert "activation-gradient elements (1 leaves; worst activations/logits" in verdict
   # Without taps it looks at the parameters only, and says so.
-  plain = jls.check_underflow(lambda p, b, dt: _char_lm_loss(p, b, dt), params, batch)
+  plain = jls.diagnostics.check_underflow(lambda p, b, dt: _char_lm_loss(p, b, dt), params, batch)
   assert not plain.needs_loss_scaling()
   assert "parameter gradients only" in plain.verdict()
 
@@ -450,14 +452,14 @@ def test_flax_perturbations_count_as_activations():
     return _char_lm_loss(v["params"], b, dtype, v["perturbations"])
 
   variables = {"params": params, "perturbations": {"logits": jnp.zeros((_B, _T, _V))}}
-  r = jls.check_underflow(loss_fn, variables, batch)
+  r = jls.diagnostics.check_underflow(loss_fn, variables, batch)
   assert r.looked_at()["activations"] == ["perturbations/logits"]
   assert r.needs_loss_scaling()
 
 
 def test_taps_inside_params_and_as_argument_are_refused():
   with pytest.raises(ValueError, match="activations"):
-    jls.check_underflow(
+    jls.diagnostics.check_underflow(
       lambda p, b, dt, t: jnp.sum(p["w"]),
       {"w": jnp.ones(1), "activations": jnp.zeros(1)},
       None,
