@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_lossscale._fp8 import FP8_META
+from jax_lossscale._fp8 import has_fp8_meta
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import promote_floats
@@ -98,6 +100,13 @@ def _loss_scale_transform(
 
   def update_fn(updates, state, params=None, **extra_args):
     _check_state(state, config)
+    if has_fp8_meta(updates):
+      raise ValueError(
+        f"updates hold Flax fp8 meta-state (a {FP8_META!r} collection): those leaves "
+        "are new fp8 scales and amax histories, not gradients, and must not be unscaled "
+        "or applied. Hand the optimizer grads['params'] only, as Flax's "
+        "TrainState.apply_gradients does."
+      )
     if config.dynamic:
       check_gradient_dtypes(updates)
     grads, finite = unscale_and_check(updates, state.loss_scale.scale)
