@@ -71,9 +71,15 @@ def _check_state(state: Any, config: DynamicScaleConfig) -> None:
       f"got {type(state).__name__}."
     )
   # init_scale only sets the first scale: a state restored mid-run (from a
-  # checkpoint, or from torch) may carry another one.
-  held = dataclasses.replace(state.loss_scale.config, init_scale=config.init_scale)
-  if held != config:
+  # checkpoint, or from torch) may carry another one. Every other field is
+  # compared as stored (never re-validated: a state whose min_scale is above
+  # this init_scale is a config mismatch, not a bad init_scale).
+  held = state.loss_scale.config
+  if any(
+    getattr(held, f.name) != getattr(config, f.name)
+    for f in dataclasses.fields(DynamicScaleConfig)
+    if f.name != "init_scale"
+  ):
     raise ValueError(
       "state was made by a loss scaler with another configuration: the state "
       f"holds {state.loss_scale.config}, this transformation was built with "

@@ -251,6 +251,10 @@ _X64_SCRIPT = textwrap.dedent("""
     want = np.float32(np.float64(np.float32(1024 * 1.1)) * 0.3)
     assert float(state.loss_scale.scale) == want, float(state.loss_scale.scale)
     assert np.all(np.isfinite(np.asarray(params["w"])))
+    # scale_loss keeps a float64 loss in float64 (1/3 is not a float32)
+    loss = jls.scale_loss(jnp.asarray(1.0 / 3.0, jnp.float64), state)
+    assert loss.dtype == jnp.float64, loss.dtype
+    assert float(loss) == (1.0 / 3.0) * float(state.loss_scale.scale), float(loss)
     print("x64 ok")
 """)
 
