@@ -70,15 +70,16 @@ def _check_state(state: Any, config: DynamicScaleConfig) -> None:
       "state must be the LossScaleState made by this transformation's init, "
       f"got {type(state).__name__}."
     )
-  # init_scale only sets the first scale: a state restored mid-run (from a
-  # checkpoint, or from torch) may carry another one. Every other field is
-  # compared as stored (never re-validated: a state whose min_scale is above
-  # this init_scale is a config mismatch, not a bad init_scale).
+  # A dynamic scaler's init_scale only sets the first scale: a state restored
+  # mid-run (from a checkpoint, or from torch) may carry another one. A static
+  # scaler's init_scale is its scale. Every other field is compared as stored
+  # (never re-validated: a state whose min_scale is above this init_scale is a
+  # config mismatch, not a bad init_scale).
   held = state.loss_scale.config
   if any(
     getattr(held, f.name) != getattr(config, f.name)
     for f in dataclasses.fields(DynamicScaleConfig)
-    if f.name != "init_scale"
+    if f.name != "init_scale" or not config.dynamic
   ):
     raise ValueError(
       "state was made by a loss scaler with another configuration: the state "
@@ -221,7 +222,8 @@ def static_loss_scale(
 
   Like :func:`dynamic_loss_scale` but the scale never changes: gradients are
   unscaled by ``scale``, and a step with non-finite gradients is still skipped
-  (and counted), never applied.
+  (and counted), never applied. A state made with another ``scale`` (or by a
+  dynamic scaler) is refused with a ``ValueError``.
 
   Args:
     inner: the transformation to apply to the unscaled gradients.
