@@ -50,6 +50,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import os
 import queue
 import shutil
@@ -315,7 +317,22 @@ def _generated_task(m: mutagen.GenMutant, tests: tuple[str, ...]) -> dict:
   )
 
 
-def _run_task(task: dict, copies: queue.Queue, timeout: float) -> dict:
+def _result_key(copy: str, task: dict, mutated: bytes) -> str:
+  """A hash of what decides a mutant's result: the mutated package, its tests' files, conftest."""
+  h = hashlib.sha256(task["name"].encode() + mutated)
+  files = [f for f in mutagen.package_modules(copy) if f != task["file"]]
+  files += sorted({t.split("::")[0] for t in task["tests"] if t.endswith(".py") or "::" in t})
+  files += ["tests/conftest.py"]
+  for rel in files:
+    path = os.path.join(copy, rel)
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        h.update(rel.encode() + f.read())
+  h.update("\0".join(task["tests"]).encode())
+  return h.hexdigest()[:24]
+
+
+def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) -> dict:
   copy = copies.get()
   try:
     path = os.path.join(copy, task["file"])
@@ -323,13 +340,22 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float) -> dict:
       original = f.read()
     if not task["tests"]:
       return dict(task, rc=0, output="no test runs this line", seconds=0.0)
+    mutated = task["apply"](original)
+    cached = os.path.join(CACHE, "results", _result_key(copy, task, mutated) + ".json")
+    if use_cache and os.path.exists(cached):
+      with open(cached) as f:
+        return dict(task, **json.load(f), cached=True)
     with open(path, "wb") as f:
-      f.write(task["apply"](original))
+      f.write(mutated)
     try:
       rc, output, dt = run_tests(copy, task["tests"], timeout)
     finally:
       with open(path, "wb") as f:
         f.write(original)
+    if rc not in _BAD_SELECTION:
+      os.makedirs(os.path.dirname(cached), exist_ok=True)
+      with open(cached, "w") as f:
+        json.dump(dict(rc=rc, output=output, seconds=dt), f)
     return dict(task, rc=rc, output=output, seconds=dt)
   finally:
     copies.put(copy)
@@ -357,7 +383,18 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--sample-offset", type=int, default=0, help="which Nth (0..N-1)")
   parser.add_argument("--limit", type=int, default=None, help="at most this many generated")
-  parser.add_argument("--max-tests", type=int, default=4, help="tests per generated mutant")
+  parser.add_argument("--max-tests", type=int, default=24, help="tests per generated mutant")
+  parser.add_argument(
+    "--test-budget",
+    type=float,
+    default=15.0,
+    help="seconds of (measured) test time per generated mutant",
+  )
+  parser.add_argument(
+    "--no-result-cache",
+    action="store_true",
+    help="run every mutant even if the cache holds its result for the same sources",
+  )
   parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant at most")
   parser.add_argument("--report", default=None, help=f"report path (default {REPORT})")
@@ -376,6 +413,10 @@ def main(argv=None) -> int:
 
   t_start = time.perf_counter()
   jobs = max(1, args.jobs)
+  os.makedirs(CACHE, exist_ok=True)
+  if not os.path.exists(os.path.join(CACHE, ".gitignore")):
+    with open(os.path.join(CACHE, ".gitignore"), "w") as f:
+      f.write("*\n")  # the cache ignores itself
   with tempfile.TemporaryDirectory(prefix="jls-mutate-") as tmp:
     copies = [os.path.join(tmp, f"copy{i}") for i in range(jobs)]
     for c in copies:
@@ -418,7 +459,8 @@ def main(argv=None) -> int:
         f", every {args.sample}th by hash (offset {args.sample_offset})" if args.sample > 1 else ""
       )
       + (f", the first {args.limit}" if args.limit is not None else ""),
-      f"at most {args.max_tests} covering tests per generated mutant, {jobs} at once",
+      f"at most {args.max_tests} covering tests (about {args.test_budget:.0f} s of them) per "
+      f"generated mutant, {jobs} at once",
     ]
     if args.list:
       for m in hand:
@@ -458,7 +500,8 @@ def main(argv=None) -> int:
       if cov["failed"]:
         print(f"mutate: tests failing unmutated, not used: {cov['failed']}", file=sys.stderr)
       for m in generated:
-        tasks.append(_generated_task(m, mutagen.tests_for(m, cov, args.max_tests)))
+        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget)
+        tasks.append(_generated_task(m, tests))
     selection.append(
       f"{sum(bool(t['tests']) for t in tasks if t['kind'] == 'generated')} generated mutants "
       "covered by a test"
@@ -475,7 +518,8 @@ def main(argv=None) -> int:
       pool_copies.put(c)
     results = []
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-      futures = [pool.submit(_run_task, t, pool_copies, timeout_of(t)) for t in tasks]
+      use_cache = not args.no_result_cache
+      futures = [pool.submit(_run_task, t, pool_copies, timeout_of(t), use_cache) for t in tasks]
       for i, fut in enumerate(futures, 1):
         r = fut.result()
         if r["rc"] in _BAD_SELECTION:
@@ -493,7 +537,8 @@ def main(argv=None) -> int:
         results.append(r)
         first = r["output"].splitlines()[0] if r["output"] else ""
         print(
-          f"[{i}/{len(tasks)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s) "
+          f"[{i}/{len(tasks)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s"
+          f"{', cached' if r.get('cached') else ''}) "
           f"{first if killed else ''}",
           flush=True,
         )
