@@ -273,6 +273,18 @@ def test_multi_steps_forwards_its_keyword_arguments():
   assert value == 0.0 and int(state.mini_step) == 0 and int(state.gradient_step) == 0
 
 
+def test_multi_steps_passes_extra_args_to_the_inner_transformation():
+  def update_fn(updates, state, params=None, *, factor):
+    return jax.tree_util.tree_map(lambda u: u * factor, updates), state
+
+  inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+  tx = jls.multi_steps(jls.dynamic_loss_scale(inner, init_scale=2.0), 1)
+  params = {"w": jnp.zeros(2)}
+  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int32 and floats
+    updates, _ = tx.update({"w": jnp.asarray([2.0, 4.0])}, tx.init(params), params, factor=3.0)
+  np.testing.assert_array_equal(updates["w"], [3.0, 6.0])  # unscaled by 2, then times 3
+
+
 def test_trainstate_adds_float32_updates_to_float16_params_once(maybe_jit):
   """``jax_lossscale.flax.TrainState`` applies an update as ``optax.apply_updates``
   does: ``p + u`` in float32, rounded to float16 once. Rounding ``u`` to float16
