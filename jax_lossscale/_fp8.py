@@ -35,7 +35,7 @@ def has_fp8_meta(tree: Any) -> bool:
 def map_gradients(
   fn: Callable[[list[Any]], tuple[list[Any], Any]],
   tree: Any,
-  meta_fn: Callable[[list[Any]], list[Any]] | None = None,
+  meta_fn: Callable[[list[Any]], list[Any]],
 ) -> tuple[Any, Any]:
   """Applies ``fn`` to the gradient leaves of ``tree`` only, ``meta_fn`` to its fp8 meta.
 
@@ -44,8 +44,7 @@ def map_gradients(
       ``(new_leaves, extra)``, the same number of leaves.
     tree: a gradient pytree, possibly holding fp8 meta under
       ``_overwrite_with_gradient`` keys.
-    meta_fn: takes the list of fp8 meta leaves and returns as many; ``None``
-      leaves them unchanged.
+    meta_fn: takes the list of fp8 meta leaves and returns as many.
 
   Returns:
     ``(new_tree, extra)``: ``tree`` with its gradient leaves replaced by
@@ -56,7 +55,7 @@ def map_gradients(
   leaves = [x for _, x in flat]
   new, extra = fn([x for x, m in zip(leaves, meta) if not m])
   meta_leaves = [x for x, m in zip(leaves, meta) if m]
-  new_meta = iter(meta_leaves if meta_fn is None else meta_fn(meta_leaves))
+  new_meta = iter(meta_fn(meta_leaves))
   new = iter(new)
   out = [next(new_meta) if m else next(new) for m in meta]
   return jax.tree_util.tree_unflatten(treedef, out), extra

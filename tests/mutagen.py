@@ -414,11 +414,18 @@ def build_coverage_map(
   return result
 
 
-def tests_for(mutant: GenMutant, cov: dict, cap: int, budget_s: float) -> tuple[str, ...]:
+def tests_for(
+  mutant: GenMutant,
+  cov: dict,
+  cap: int,
+  budget_s: float,
+  affinity: tuple[str, ...] = (),
+) -> tuple[str, ...]:
   """The tests that ran the mutant's line(s): at most ``cap``, about ``budget_s`` seconds.
 
   The fastest test of each test file first, then the second fastest of each,
-  and so on: the fastest tests overall are often ones that only pass through
+  and so on, the files of ``affinity`` (those about the mutant's module) before
+  the others: the fastest tests overall are often ones that only pass through
   a line (a config built on the way), while the test that checks what the
   line does sits in the file about it.
   """
@@ -429,7 +436,9 @@ def tests_for(mutant: GenMutant, cov: dict, cap: int, budget_s: float) -> tuple[
   by_file: dict[str, list[str]] = {}
   for t in sorted(nodes, key=lambda t: (durations.get(t, 1e9), t)):
     by_file.setdefault(t.split("::")[0], []).append(t)
-  queues = [by_file[f] for f in sorted(by_file, key=lambda f: durations.get(by_file[f][0], 1e9))]
+  rank = {f: i for i, f in enumerate(affinity)}
+  order = sorted(by_file, key=lambda f: (rank.get(f, len(rank)), durations.get(by_file[f][0], 1e9)))
+  queues = [by_file[f] for f in order]
   chosen, spent = [], 0.0
   while queues and len(chosen) < cap and spent < budget_s:
     for q in list(queues):

@@ -921,4 +921,53 @@ MUTANTS = [
 
 #: Generated mutants (``tests/mutagen.py``) that no test can tell from the
 #: original, by name, with the reason.
-EQUIVALENT: dict[str, str] = {}
+EQUIVALENT: dict[str, str] = {
+  "_guard:91:drop-kwarg:separator": (
+    "only the layout of a batched scale inside the LossScaleError message ('[1., 2.]' vs "
+    "'[1. 2.]'); no value, no control flow"
+  ),
+  "_metrics:80:if-false": (
+    "an integer or boolean leaf then goes through logical_not(all(isfinite(g))), which is "
+    "False for every integer/bool array: the same bool scalar as the fallback's"
+  ),
+  "_numerics:31:cmp-nonstrict": (
+    "`itemsize <= 4` also maps 4-byte dtypes to float32; the only 4-byte float is float32"
+  ),
+  "_numerics:61:cmp-nonstrict": (
+    "at exactly scale == 2**126 both paths are exact: 1/2**126 is a normal float32, and "
+    "2**64/2**126 then / 2**64 multiplies by the same power of two, one rounding each"
+  ),
+  "_numerics:100:if-false": (
+    "a single flag through the sum/sqrt combination gives the same bool (a fast path for one leaf)"
+  ),
+  "_numerics:102:reduce:sum->max": (
+    "the flags are 0/1: max == 0 exactly when sum == 0, so sqrt(.) == 0 is the same AND"
+  ),
+  "_product:43:no-bound#2": (
+    "limbs are masked to _LIMB bits, so bits above a limb's width are zero: taking hi "
+    "instead of the limb's end adds only zero bits"
+  ),
+  "_product:44:cmp-strict": (
+    "a == b gives an empty bit range, a piece of (1 << 0) - 1 = 0: adding it changes nothing"
+  ),
+  "_product:74:if-false": "skipping zero limbs is a fast path: s * 0 adds 0 to the column",
+  "_product:114:cmp-strict": (
+    "out_biased == 0 means a product below 2**-126; scale_product, the only caller, returns "
+    "0 there (scale < the smallest scale with a normal product), whatever this gives"
+  ),
+  "_product:144:cmp-negate": (
+    "the exact integer emulation is exact for every factor: for float32-representable "
+    "factors it gives the float32 product (the fast path's result)"
+  ),
+  "_product:144:if-false": "as _product:144:cmp-negate: the exact path for every factor",
+  "_product:163:drop-kwarg:over": (
+    "np.errstate only silences numpy's overflow RuntimeWarning in the host-side bisection "
+    "(the product of the largest float32 and a growth factor is inf either way)"
+  ),
+  "_product:196:cmp-strict": (
+    "rem == m only for a power-of-two scale (m = 2**23); the strict test then produces "
+    "q - 1 with a nonzero remainder (0.0111... instead of 0.1000...), which the sticky bit "
+    "rounds to the same float32"
+  ),
+  "_product:200:cmp-strict": "as _product:196:cmp-strict (the same long division, later bits)",
+}

@@ -361,6 +361,17 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) 
     copies.put(copy)
 
 
+def affinity(module_file: str) -> tuple[str, ...]:
+  """The test files about a module: those its hand-written mutants name, then ``test_<name>.py``."""
+  files = []
+  for m in MUTANTS:
+    if m.file == module_file:
+      files += [t.split("::")[0] for t in m.tests if t.startswith("tests/test_")]
+  stem = os.path.splitext(os.path.basename(module_file))[0].lstrip("_")
+  files.append(f"tests/test_{stem}.py")
+  return tuple(dict.fromkeys(files))
+
+
 def _coverage_tests(root: str) -> list[str]:
   return [
     f"tests/{n}"
@@ -500,7 +511,8 @@ def main(argv=None) -> int:
       if cov["failed"]:
         print(f"mutate: tests failing unmutated, not used: {cov['failed']}", file=sys.stderr)
       for m in generated:
-        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget)
+        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, affinity(m.file))
+        tests = tuple(args.tests) if args.tests else tests
         tasks.append(_generated_task(m, tests))
     selection.append(
       f"{sum(bool(t['tests']) for t in tasks if t['kind'] == 'generated')} generated mutants "
