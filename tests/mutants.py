@@ -971,3 +971,27 @@ EQUIVALENT: dict[str, str] = {
   ),
   "_product:200:cmp-strict": "as _product:196:cmp-strict (the same long division, later bits)",
 }
+
+
+#: Generated mutants whose killing test the coverage selection does not pick (their line
+#: runs in hundreds of tests): these tests run first, before the selected ones.
+PINNED: dict[str, tuple[str, ...]] = {
+  "_numerics:31:if-true": (BAD + "::test_float64_in_process_under_enable_x64",),
+  "_numerics:41:cmp-negate": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:41:if-true": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:41:if-false": (TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",),
+  "_product:144:if-true": ("tests/test_product_ties.py",),
+  "_product:164:cmp-nonstrict": (
+    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+  ),
+  "_product:164:if-false": (
+    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+  ),
+  "_rule:77:if-false": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
+  "_rule:86:no-bound": (ST + "::test_upward_storm_never_reaches_inf",),
+  "_numerics:134:if-false": (TR + "::test_non_float_and_none_leaves_pass_through",),
+  "_product:93:cmp-negate#2": (
+    "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
+  ),
+  "_rule:19:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+}

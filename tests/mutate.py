@@ -67,6 +67,7 @@ sys.path.insert(0, HERE)
 import mutagen  # noqa: E402
 from mutants import EQUIVALENT  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
+from mutants import PINNED  # noqa: E402
 from mutants import Mutant  # noqa: E402
 
 REPORT = os.path.join(HERE, "mutation-report.md")
@@ -512,6 +513,7 @@ def main(argv=None) -> int:
         print(f"mutate: tests failing unmutated, not used: {cov['failed']}", file=sys.stderr)
       for m in generated:
         tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, affinity(m.file))
+        tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + tests))  # pinned ones first
         tests = tuple(args.tests) if args.tests else tests
         tasks.append(_generated_task(m, tests))
     selection.append(
