@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_lossscale._sharding import place_like_params
+
 
 class MultiStepsState(optax.MultiStepsState):
   """The state of :func:`multi_steps`: ``optax.MultiStepsState``'s fields and methods.
@@ -62,7 +64,9 @@ def multi_steps(
   ms = optax.MultiSteps(inner, every_k_schedule, **kwargs)
 
   def init_fn(params):
-    return MultiStepsState(*ms.init(params))
+    # mini_step and gradient_step are made here, like the scaler's own scalars:
+    # replicated on the params' mesh (see place_like_params).
+    return place_like_params(MultiStepsState(*ms.init(params)), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = ms.update(updates, optax.MultiStepsState(*state), params, **extra_args)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_lossscale._fp8 import FP8_META
+from jax_lossscale._fp8 import has_fp8_meta
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import promote_floats
@@ -71,10 +73,17 @@ def _check_state(state: Any, config: DynamicScaleConfig) -> None:
       "state must be the LossScaleState made by this transformation's init, "
       f"got {type(state).__name__}."
     )
-  # init_scale only sets the first scale: a state restored mid-run (from a
-  # checkpoint, or from torch) may carry another one.
-  held = dataclasses.replace(state.loss_scale.config, init_scale=config.init_scale)
-  if held != config:
+  # A dynamic scaler's init_scale only sets the first scale: a state restored
+  # mid-run (from a checkpoint, or from torch) may carry another one. A static
+  # scaler's init_scale is its scale. Every other field is compared as stored
+  # (never re-validated: a state whose min_scale is above this init_scale is a
+  # config mismatch, not a bad init_scale).
+  held = state.loss_scale.config
+  if any(
+    getattr(held, f.name) != getattr(config, f.name)
+    for f in dataclasses.fields(DynamicScaleConfig)
+    if f.name != "init_scale" or not config.dynamic
+  ):
     raise ValueError(
       "state was made by a loss scaler with another configuration: the state "
       f"holds {state.loss_scale.config}, this transformation was built with "
@@ -101,6 +110,13 @@ def _loss_scale_transform(
 
   def update_fn(updates, state, params=None, **extra_args):
     _check_state(state, config)
+    if has_fp8_meta(updates):
+      raise ValueError(
+        f"updates hold Flax fp8 meta-state (a {FP8_META!r} collection): those leaves "
+        "are new fp8 scales and amax histories, not gradients, and must not be unscaled "
+        "or applied. Hand the optimizer grads['params'] only, as Flax's "
+        "TrainState.apply_gradients does."
+      )
     if config.dynamic:
       check_gradient_dtypes(updates)
     grads, finite = unscale_and_check(updates, state.loss_scale.scale)
@@ -209,7 +225,8 @@ def static_loss_scale(
 
   Like :func:`dynamic_loss_scale` but the scale never changes: gradients are
   unscaled by ``scale``, and a step with non-finite gradients is still skipped
-  (and counted), never applied.
+  (and counted), never applied. A state made with another ``scale`` (or by a
+  dynamic scaler) is refused with a ``ValueError``.
 
   Args:
     inner: the transformation to apply to the unscaled gradients.

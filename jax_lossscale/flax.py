@@ -35,6 +35,8 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without flax
     "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
   ) from e
 
+from jax_lossscale._fp8 import gradient_leaves
+from jax_lossscale._fp8 import map_gradients
 from jax_lossscale._numerics import all_finite
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
@@ -104,6 +106,12 @@ def value_and_grad(
       device sees the same gradients and takes the same skip decision. The
       returned ``value`` is this device's loss.
 
+  Flax fp8 meta-state (leaves under an ``_overwrite_with_gradient`` key, the
+  new scales and amax histories of ``nn.Fp8DirectDotGeneralOp``) is returned
+  as the backward pass made it: it is not multiplied by the loss scale, so it
+  is not unscaled, and it takes no part in ``finite``. With ``axis_name`` it
+  is combined with ``lax.pmax`` (the largest amax wins).
+
   Returns:
     A function with ``fun``'s signature returning a
     :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``.
@@ -138,8 +146,16 @@ def value_and_grad(
 
   def wrapped(*args, **kwargs) -> ScaledValueAndGrad:
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-    grads = across_axis(jax.lax.pmean, grads, axis_name)
-    grads, finite = unscale_and_check(grads, dynamic_scale.scale)
+
+    def unscale(leaves):
+      leaves = across_axis(jax.lax.pmean, leaves, axis_name)
+      return unscale_and_check(leaves, dynamic_scale.scale)
+
+    # fp8 meta (new scales and amax histories) is not scaled by the loss scale:
+    # never unscaled, never checked; across devices the largest amax (and so
+    # the largest fp8 scale) wins, as one global computation would find.
+    meta = lambda leaves: across_axis(jax.lax.pmax, leaves, axis_name)
+    grads, finite = map_gradients(unscale, grads, meta)
     return ScaledValueAndGrad(value=loss, aux=aux, grads=grads, finite=finite)
 
   return wrapped
@@ -281,7 +297,7 @@ class TrainState(train_state.TrainState):
       ValueError: if ``finite`` is not a boolean scalar.
     """
     if finite is None:
-      finite = all_finite(grads)
+      finite = all_finite(gradient_leaves(grads))
     finite = jnp.asarray(finite)
     if finite.dtype != jnp.bool_ or finite.shape != ():
       raise ValueError(

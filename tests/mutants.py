@@ -38,6 +38,9 @@ NUM = "tests/test_numerics.py"
 SK = "tests/test_skip.py"
 COMP = "tests/test_composition.py"
 CFG = "tests/test_config.py"
+ONE = "tests/test_one_decision.py"
+FP8 = "tests/test_fp8.py"
+CKPT = "tests/test_checkpoint.py"
 FL = "tests/test_flax.py"
 NNX = "tests/test_nnx.py"
 CMP = "tests/test_compiled.py"
@@ -56,6 +59,8 @@ STATE = "jax_lossscale/_state.py"
 FLAX = "jax_lossscale/flax.py"
 ACCUMULATION = "jax_lossscale/_accumulation.py"
 METRICS = "jax_lossscale/_metrics.py"
+CHECKPOINT = "jax_lossscale/_checkpoint.py"
+SIGNALS = "jax_lossscale/_signals.py"
 
 MUTANTS = [
   # --- the rule -----------------------------------------------------------------
@@ -691,15 +696,15 @@ MUTANTS = [
   Mutant(
     "flax-grads-not-unscaled",
     FLAX,
-    "grads, finite = unscale_and_check(grads, dynamic_scale.scale)",
-    "grads, finite = unscale_and_check(grads, 1.0)",
+    "return unscale_and_check(leaves, dynamic_scale.scale)",
+    "return unscale_and_check(leaves, 1.0)",
     (FL, NNX),
     "value_and_grad returns scaled gradients",
   ),
   Mutant(
     "flax-no-pmean",
     FLAX,
-    "grads = across_axis(jax.lax.pmean, grads, axis_name)",
+    "leaves = across_axis(jax.lax.pmean, leaves, axis_name)",
     "",
     (FL + "::test_value_and_grad_axis_name_skips_on_every_device", MD),
     "axis_name ignored: devices disagree on the skip",
@@ -715,7 +720,7 @@ MUTANTS = [
   Mutant(
     "flax-finite-default-true",
     FLAX,
-    "      finite = all_finite(grads)\n",
+    "      finite = all_finite(gradient_leaves(grads))\n",
     "      finite = jnp.asarray(True)\n",
     (FL + "::test_trainstate_computes_finite_when_not_given", MET),
     "apply_gradients without finite= applies non-finite steps",
@@ -745,6 +750,163 @@ MUTANTS = [
     (COMP, "--doctest-modules", ACCUMULATION),
     "the accumulator is zeroed in the middle of an accumulation",
   ),
+  # --- issue 19: the gaps an outside reviewer's mutants found ---------------------------
+  Mutant(
+    "static-ignores-axis-name",
+    TRANSFORM,
+    'config = DynamicScaleConfig(init_scale=check_init_scale(scale, "scale"), dynamic=False)\n'
+    "  return _loss_scale_transform(inner, config, axis_name)",
+    'config = DynamicScaleConfig(init_scale=check_init_scale(scale, "scale"), dynamic=False)\n'
+    "  return _loss_scale_transform(inner, config, None)",
+    (ONE,),
+    "static_loss_scale / no_loss_scale under pmap/shard_map: each device skips alone",
+  ),
+  Mutant(
+    "no-loss-scale-drops-axis-name",
+    TRANSFORM,
+    "return static_loss_scale(inner, 1.0, axis_name=axis_name)",
+    "return static_loss_scale(inner, 1.0)",
+    (ONE + "::test_every_device_skips_together_with_axis_name",),
+    "no_loss_scale ignores axis_name",
+  ),
+  Mutant(
+    "trainstate-vag-drops-axis-name",
+    FLAX,
+    "fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name",
+    "fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux",
+    (ONE + "::test_every_device_skips_together_with_axis_name",),
+    "TrainState.value_and_grad ignores axis_name: no pmean, each device decides alone",
+  ),
+  Mutant(
+    "trainstate-tx-sees-half-params",
+    FLAX,
+    "promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)",
+    "promote_floats(grads_with_opt), self.opt_state, params_with_opt",
+    (COMP + "::test_trainstate_hands_tx_float32_params",),
+    "TrainState.apply_gradients hands tx float16 params (weight decay in float16)",
+  ),
+  Mutant(
+    "check-state-torch-fields-only",
+    TRANSFORM,
+    'if f.name != "init_scale"',
+    'if f.name in ("growth_factor", "backoff_factor", "growth_interval", "dynamic")',
+    (CFG + "::test_a_state_differing_in_any_one_field_is_refused",),
+    "a state with another hysteresis, min_scale or max_scale is used silently",
+  ),
+  Mutant(
+    "check-state-revalidates",
+    TRANSFORM,
+    "held = state.loss_scale.config\n",
+    "held = dataclasses.replace(state.loss_scale.config, init_scale=config.init_scale)\n",
+    (CFG + "::test_a_state_whose_min_scale_is_above_this_init_scale_names_both_configs",),
+    "the state's config re-validated with this init_scale: a misleading init_scale error",
+  ),
+  Mutant(
+    "pinned-band-rejected",
+    STATE,
+    "if not min_scale <= float(np.float32(init_scale)) <= max_scale:",
+    "if not min_scale < float(np.float32(init_scale)) < max_scale:",
+    (CFG + "::test_a_pinned_band_is_accepted_and_holds_the_scale",),
+    "min_scale == max_scale == init_scale rejected",
+  ),
+  Mutant(
+    "check-int-unbounded",
+    STATE,
+    "if value < minimum or value > np.iinfo(np.int32).max:",
+    "if value < minimum:",
+    (CFG + "::test_integer_fields_stop_at_int32_max",),
+    "growth_interval=2**31 passes validation and overflows int32 later",
+  ),
+  Mutant(
+    "metadata-missing-field-is-unchanged",
+    CHECKPOINT,
+    "      if name not in saved[path]:\n"
+    '        raise ValueError(f"metadata for {path!r} lacks the config field {name!r}.")\n'
+    "      was = saved[path][name]\n",
+    "      was = saved[path].get(name, now[name])\n",
+    (CKPT + "::test_config_metadata_round_trips_json_exactly",),
+    "check_scale_config treats a field missing from the metadata as unchanged",
+  ),
+  Mutant(
+    "inner-state-first-of-many",
+    TRANSFORM,
+    '  if len(found) != 1:\n    raise ValueError(\n      f"opt_state must hold exactly one',
+    '  if not found:\n    raise ValueError(\n      f"opt_state must hold exactly one',
+    (CFG + "::test_inner_state_refuses_several_loss_scale_states",),
+    "inner_state returns the first of several loss-scale states",
+  ),
+  Mutant(
+    "scale-loss-f64-to-f32",
+    TRANSFORM,
+    "  dt = compute_dtype(loss.dtype)\n  return loss.astype(dt) * scale.astype(dt)",
+    "  dt = jnp.float32\n  return loss.astype(dt) * scale.astype(dt)",
+    (BAD + "::test_float64_with_x64_keeps_state_dtypes",),
+    "scale_loss rounds a float64 loss to float32",
+  ),
+  Mutant(
+    "multi-steps-drops-kwargs",
+    ACCUMULATION,
+    "ms = optax.MultiSteps(inner, every_k_schedule, **kwargs)",
+    "ms = optax.MultiSteps(inner, every_k_schedule)",
+    (COMP + "::test_multi_steps_forwards_its_keyword_arguments",),
+    "multi_steps drops use_grad_mean / should_skip_update_fn",
+  ),
+  Mutant(
+    "multi-steps-init-not-placed",
+    ACCUMULATION,
+    "return place_like_params(MultiStepsState(*ms.init(params)), params)",
+    "return MultiStepsState(*ms.init(params))",
+    (SH + "::test_multi_steps_init_places_its_counters_on_the_params_mesh",),
+    "multi_steps' mini_step/gradient_step stay host-local single-device arrays",
+  ),
+  Mutant(
+    "warnings-share-a-kind",
+    SIGNALS,
+    '      warn_once(\n        "multisteps",',
+    '      warn_once(\n        "bfloat16",',
+    (CFG + "::test_the_two_warnings_are_once_only_each_on_its_own",),
+    "the stock-MultiSteps warning silenced by the bfloat16 one",
+  ),
+  Mutant(
+    "explicitly-sharded-reads-x-sharding",
+    SKIP,
+    "spec = jax.typeof(x).sharding.spec",
+    "spec = x.sharding.spec",
+    (SH + "::test_a_large_fsdp_leaf_traced_on_an_explicit_mesh_is_seen_as_sharded",),
+    "under jit every leaf looks unsharded (tracers have no .sharding)",
+  ),
+  Mutant(
+    "fp8-meta-unscaled",
+    FLAX,
+    "grads, finite = map_gradients(unscale, grads, meta)",
+    "grads, finite = unscale(grads)",
+    (FP8,),
+    "fp8 meta-state divided by the loss scale (every fp8 scale 1/1024 after a step)",
+  ),
+  Mutant(
+    "fp8-meta-checked",
+    FLAX,
+    "      finite = all_finite(gradient_leaves(grads))\n",
+    "      finite = all_finite(grads)\n",
+    (FP8 + "::test_an_inf_in_the_fp8_meta_is_not_an_overflow",),
+    "an inf in an fp8 amax history skips the step",
+  ),
+  Mutant(
+    "fp8-meta-reaches-optax",
+    TRANSFORM,
+    "    if has_fp8_meta(updates):\n      raise ValueError(",
+    "    if False:\n      raise ValueError(",
+    (FP8 + "::test_the_optax_wrappers_refuse_fp8_meta",),
+    "fp8 meta handed to an Optax wrapper is unscaled and applied as a gradient",
+  ),
+  Mutant(
+    "fp8-meta-mean-across-devices",
+    FLAX,
+    "meta = lambda leaves: across_axis(jax.lax.pmax, leaves, axis_name)",
+    "meta = lambda leaves: across_axis(jax.lax.pmean, leaves, axis_name)",
+    (FP8 + "::test_fp8_meta_is_combined_with_pmax_under_axis_name",),
+    "fp8 amax averaged across devices instead of the largest",
+  ),
   # --- metrics ------------------------------------------------------------------------
   Mutant(
     "metrics-host-sync",
@@ -755,3 +917,81 @@ MUTANTS = [
     "metrics reads the scale on the host (waits for the step)",
   ),
 ]
+
+
+#: Generated mutants (``tests/mutagen.py``) that no test can tell from the
+#: original, by name, with the reason.
+EQUIVALENT: dict[str, str] = {
+  "_guard:91:drop-kwarg:separator": (
+    "only the layout of a batched scale inside the LossScaleError message ('[1., 2.]' vs "
+    "'[1. 2.]'); no value, no control flow"
+  ),
+  "_metrics:80:if-false": (
+    "an integer or boolean leaf then goes through logical_not(all(isfinite(g))), which is "
+    "False for every integer/bool array: the same bool scalar as the fallback's"
+  ),
+  "_numerics:31:cmp-nonstrict": (
+    "`itemsize <= 4` also maps 4-byte dtypes to float32; the only 4-byte float is float32"
+  ),
+  "_numerics:61:cmp-nonstrict": (
+    "at exactly scale == 2**126 both paths are exact: 1/2**126 is a normal float32, and "
+    "2**64/2**126 then / 2**64 multiplies by the same power of two, one rounding each"
+  ),
+  "_numerics:100:if-false": (
+    "a single flag through the sum/sqrt combination gives the same bool (a fast path for one leaf)"
+  ),
+  "_numerics:102:reduce:sum->max": (
+    "the flags are 0/1: max == 0 exactly when sum == 0, so sqrt(.) == 0 is the same AND"
+  ),
+  "_product:43:no-bound#2": (
+    "limbs are masked to _LIMB bits, so bits above a limb's width are zero: taking hi "
+    "instead of the limb's end adds only zero bits"
+  ),
+  "_product:44:cmp-strict": (
+    "a == b gives an empty bit range, a piece of (1 << 0) - 1 = 0: adding it changes nothing"
+  ),
+  "_product:74:if-false": "skipping zero limbs is a fast path: s * 0 adds 0 to the column",
+  "_product:114:cmp-strict": (
+    "out_biased == 0 means a product below 2**-126; scale_product, the only caller, returns "
+    "0 there (scale < the smallest scale with a normal product), whatever this gives"
+  ),
+  "_product:144:cmp-negate": (
+    "the exact integer emulation is exact for every factor: for float32-representable "
+    "factors it gives the float32 product (the fast path's result)"
+  ),
+  "_product:144:if-false": "as _product:144:cmp-negate: the exact path for every factor",
+  "_product:163:drop-kwarg:over": (
+    "np.errstate only silences numpy's overflow RuntimeWarning in the host-side bisection "
+    "(the product of the largest float32 and a growth factor is inf either way)"
+  ),
+  "_product:196:cmp-strict": (
+    "rem == m only for a power-of-two scale (m = 2**23); the strict test then produces "
+    "q - 1 with a nonzero remainder (0.0111... instead of 0.1000...), which the sticky bit "
+    "rounds to the same float32"
+  ),
+  "_product:200:cmp-strict": "as _product:196:cmp-strict (the same long division, later bits)",
+}
+
+
+#: Generated mutants whose killing test the coverage selection does not pick (their line
+#: runs in hundreds of tests): these tests run first, before the selected ones.
+PINNED: dict[str, tuple[str, ...]] = {
+  "_numerics:31:if-true": (BAD + "::test_float64_in_process_under_enable_x64",),
+  "_numerics:41:cmp-negate": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:41:if-true": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:41:if-false": (TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",),
+  "_product:144:if-true": ("tests/test_product_ties.py",),
+  "_product:164:cmp-nonstrict": (
+    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+  ),
+  "_product:164:if-false": (
+    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+  ),
+  "_rule:77:if-false": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
+  "_rule:86:no-bound": (ST + "::test_upward_storm_never_reaches_inf",),
+  "_numerics:134:if-false": (TR + "::test_non_float_and_none_leaves_pass_through",),
+  "_product:93:cmp-negate#2": (
+    "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
+  ),
+  "_rule:19:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+}

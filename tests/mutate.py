@@ -1,45 +1,59 @@
-"""``make mutate``: semantic mutation testing of the core modules.
+"""``make mutate``: mutation testing of every module, hand-written and generated mutants.
 
-Each mutant in ``tests/mutants.py`` is one realistic bug: an exact snippet of
-a core module and its replacement. For every mutant the runner
+Two kinds of mutant:
 
-1. copies the repository (``git ls-files``: tracked and untracked, not
-   ignored; or the last commit with ``--head``) to a temporary directory,
-   once; the checkout itself is never modified;
-2. replaces the snippet (which must occur exactly once) in that copy;
-3. runs only the covering tests with ``pytest -x -q -p no:cacheprovider``,
-   importing the package from the copy;
-4. restores the file.
+* **hand-written** (``tests/mutants.py``): one realistic bug each, an exact
+  snippet of a module and its replacement, with the tests that should kill it;
+* **generated** (``tests/mutagen.py``): an AST walk over every module of
+  ``jax_lossscale/`` (enumerated, so a new module is included) applying six
+  operators at every site: a keyword argument dropped, a comparison flipped or
+  made (non-)strict, a bound removed, a ``raise`` deleted, a reduction
+  swapped, a branch forced. Each is named ``module:line:operator`` and runs
+  only the tests that executed its line, from a per-test coverage map
+  computed once (one coverage context per test) and cached under
+  ``.mutate-cache/`` by a hash of the sources; at most ``--max-tests`` of
+  them, fastest first.
+
+For every mutant the runner applies it in a temporary copy of the repository
+(``git ls-files``: tracked and untracked, not ignored; or the last commit
+with ``--head``; one copy per job, the checkout itself is never modified),
+runs its tests with ``pytest -x -q -p no:cacheprovider`` importing the
+package from the copy, and restores the file.
 
 A mutant is *killed* when its tests fail (or time out), *survived* when they
-pass, and *equivalent* when it survives and carries a reason why no test can
-tell it from the original (a mutant marked equivalent that is killed counts
-as killed and is flagged in the report). The exit status is 1 when a mutant
-survives that carries no ``note`` explaining why. Before any mutant runs, every
-snippet is checked (exactly one match) and the unmutated copy must pass all
-covering tests; either failure stops the run with exit status 2.
+pass (or when no test runs its line), and *equivalent* when it survives and
+its name is explained in ``EQUIVALENT`` (generated) or carries an
+``equivalent`` reason (hand-written); a mutant marked equivalent that is
+killed counts as killed and is flagged. The exit status is 1 when a mutant
+survives unexplained (a hand-written one may carry a ``note``), 2 when the
+set-up is wrong (a snippet out of date, the unmutated code failing its
+tests, a test list selecting nothing).
 
-Why not mutmut 3: it mutates operators one token at a time and runs its own
-per-mutant test mapping; most of its mutants here would be jit-cache or
-docstring noise, each JAX test process pays ~3 s of imports, and its
-trampoline rewrites every function (which changes what ``jax.jit`` traces).
-A list of semantic mutants, each naming the tests that should kill it, stays
-within ~30 minutes on 2 cores and documents the promise each test guards.
+Why not mutmut 3: its per-token operators would be mostly jit-cache and
+docstring noise here, and its trampoline rewrites every function (which
+changes what ``jax.jit`` traces); each JAX test process pays ~3 s of imports,
+so a mutant must run few, chosen tests.
 
 Usage::
 
-  python tests/mutate.py                 # all mutants, writes tests/mutation-report.md
-  python tests/mutate.py --list          # list the mutants and check their snippets
-  python tests/mutate.py --only NAME...  # some mutants (report not written)
-  python tests/mutate.py --head          # the last commit, not the working tree
+  python tests/mutate.py                      # everything, writes tests/mutation-report.md
+  python tests/mutate.py --list               # list the mutants (and check the snippets)
+  python tests/mutate.py --modules _state flax --no-hand   # generated mutants of two modules
+  python tests/mutate.py --sample 4 --limit 50           # every 4th generated mutant, 50 at most
+  python tests/mutate.py --only NAME...       # some mutants (report not written)
   python tests/mutate.py --only NAME --tests tests/test_x.py::test_y  # does this test kill it?
+  python tests/mutate.py --head               # the last commit, not the working tree
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -50,10 +64,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+import mutagen  # noqa: E402
+from mutants import EQUIVALENT  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
+from mutants import PINNED  # noqa: E402
 from mutants import Mutant  # noqa: E402
 
 REPORT = os.path.join(HERE, "mutation-report.md")
+CACHE = os.path.join(ROOT, ".mutate-cache")
+# The tests whose coverage selects the generated mutants' tests: the in-process
+# suite. Left out: tests that run their code in subprocesses (coverage cannot
+# see it) or time a benchmark.
+COVERAGE_EXCLUDE = {
+  "test_examples.py",
+  "test_bench.py",
+  "test_gpu.py",
+  "test_demo.py",
+  "test_multiprocess.py",
+  "test_async.py",
+}
 
 
 def check_snippets(root: str, mutants: list[Mutant]) -> list[str]:
@@ -167,57 +196,95 @@ def check_imports_from_copy(copy: str) -> None:
     sys.exit(f"mutate: the copy imports jax_lossscale from {out}, not from {copy}")
 
 
+def _counts(results) -> str:
+  n = lambda st: sum(r["status"] == st for r in results)
+  return (
+    f"{len(results)} run, {n('killed')} killed, {n('equivalent')} equivalent, "
+    f"{n('survived')} survived"
+  )
+
+
+def unexplained(results) -> list[dict]:
+  """Survivors with no reason given (a hand-written mutant's ``note`` is a reason)."""
+  return [r for r in results if r["status"] == "survived" and not r.get("note")]
+
+
 def summary_line(results) -> str:
-  killed = sum(r["status"] == "killed" for r in results)
-  equivalent = sum(r["status"] == "equivalent" for r in results)
-  survived = sum(r["status"] == "survived" for r in results)
-  return f"{len(results)} mutants: {killed} killed, {equivalent} equivalent, {survived} survived"
+  hand = [r for r in results if r["kind"] == "hand"]
+  gen = [r for r in results if r["kind"] == "generated"]
+  return (
+    f"mutate: hand-written {_counts(hand)}; generated {_counts(gen)}; "
+    f"{len(unexplained(results))} unexplained survivors"
+  )
 
 
-def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
+def _detail(r) -> str:
+  out_lines = r["output"].splitlines()
+  detail = out_lines[-1] if out_lines else ""
+  if r["status"] == "killed" and out_lines:
+    detail = out_lines[0]
+  detail = detail.split(" - ")[0]  # the test id, without the assertion text
+  return detail.replace("|", "\\|")
+
+
+def write_report(path: str, results, seconds: float, selection: list[str]) -> None:
   lines = [
     "# Mutation report",
     "",
-    "Written by `make mutate` (`tests/mutate.py`, mutants in `tests/mutants.py`). Each mutant is",
-    "one realistic bug in a core module; it is applied in a temporary copy of the repository and",
-    "only its covering tests run (`pytest -x -q -p no:cacheprovider`). *killed*: the tests fail;",
-    "*equivalent*: the tests pass and the mutant cannot change any observable value (reason",
-    "given); *survived*: the tests pass although the mutant is a real bug.",
+    "Written by `make mutate` (`tests/mutate.py`). Two kinds of mutant, each applied in a",
+    "temporary copy of the repository, with only its tests run (`pytest -x`):",
+    "",
+    "* *hand-written* (`tests/mutants.py`): one realistic bug each, with the tests meant to",
+    "  kill it;",
+    "* *generated* (`tests/mutagen.py`): every site of six operators in every module of",
+    "  `jax_lossscale/` (a keyword argument dropped, a comparison flipped or made",
+    "  (non-)strict, a bound removed, a `raise` deleted, a reduction swapped, a branch",
+    "  forced), named `module:line:operator`; each runs the fastest tests that executed its",
+    "  line (per-test coverage, computed once).",
+    "",
+    "*killed*: the tests fail; *equivalent*: they pass and the mutant cannot change an",
+    "observable value (reason given, `EQUIVALENT` in `tests/mutants.py` for generated ones);",
+    "*survived*: they pass (or no test runs the line) although the mutant is a real bug.",
     "",
     f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
-    f"{seconds / 60:.1f} min in all (baseline of the unmutated copy: {baseline_s:.0f} s).",
+    f"{seconds / 60:.1f} min in all.",
     "",
-    "| mutant | file | result | s | killed by / output |",
-    "|---|---|---|---:|---|",
+    "Selection: " + "; ".join(selection) + ".",
+    "",
+    "**" + summary_line(results) + "**",
+    "",
   ]
-  for r in results:
-    m = r["mutant"]
-    out_lines = r["output"].splitlines()
-    detail = out_lines[-1] if out_lines else ""
-    if r["status"] == "killed" and out_lines:
-      detail = out_lines[0]
-    detail = detail.split(" - ")[0]  # the test id, without the assertion text
-    detail = detail.replace("|", "\\|")
-    lines.append(f"| `{m.name}` | `{m.file}` | {r['status']} | {r['seconds']:.0f} | {detail} |")
-  lines += ["", "## Mutants and what they break", ""]
-  for r in results:
-    m = r["mutant"]
-    lines.append(f"- `{m.name}` ({m.file}): {m.why}")
+  for kind, title in (("hand", "Hand-written mutants"), ("generated", "Generated mutants")):
+    group = [r for r in results if r["kind"] == kind]
+    lines += [f"## {title}", "", _counts(group) + ".", ""]
+    if not group:
+      continue
+    lines += ["| mutant | result | s | tests | killed by / output |", "|---|---|---:|---:|---|"]
+    for r in group:
+      lines.append(
+        f"| `{r['name']}` | {r['status']} | {r['seconds']:.0f} | {len(r['tests'])} | {_detail(r)} |"
+      )
+    lines.append("")
+  hand = [r for r in results if r["kind"] == "hand"]
+  if hand:
+    lines += ["## Hand-written mutants and what they break", ""]
+    lines += [f"- `{r['name']}` ({r['file']}): {r['why']}" for r in hand]
+    lines.append("")
   equivalents = [r for r in results if r["status"] == "equivalent"]
-  lines += ["", "## Equivalent mutants", ""]
-  lines += [f"- `{r['mutant'].name}`: {r['mutant'].equivalent}" for r in equivalents] or ["None."]
-  flagged = [r for r in results if r["mutant"].equivalent and r["status"] == "killed"]
+  lines += ["## Equivalent mutants", ""]
+  lines += [f"- `{r['name']}` ({r['why']}): {r['equivalent']}" for r in equivalents] or ["None."]
+  flagged = [r for r in results if r["equivalent"] and r["status"] == "killed"]
   if flagged:
     lines += [
       "",
       "Marked equivalent but killed (the mark is wrong): "
-      + ", ".join(f"`{r['mutant'].name}`" for r in flagged),
+      + ", ".join(f"`{r['name']}`" for r in flagged),
     ]
   survivors = [r for r in results if r["status"] == "survived"]
   lines += ["", "## Survivors", ""]
   lines += [
-    f"- `{r['mutant'].name}` ({r['mutant'].file}): {r['mutant'].why}. "
-    f"{'Why it survives: ' + r['mutant'].note if r['mutant'].note else 'Not explained.'}"
+    f"- `{r['name']}` ({r['file']}): {r['why']}. "
+    f"{'Why it survives: ' + r['note'] if r.get('note') else 'Not explained.'}"
     for r in survivors
   ] or ["None."]
   lines += ["", summary_line(results)]
@@ -225,14 +292,124 @@ def write_report(path: str, results, seconds: float, baseline_s: float) -> None:
     f.write("\n".join(lines) + "\n")
 
 
+def _hand_task(m: Mutant) -> dict:
+  return dict(
+    kind="hand",
+    name=m.name,
+    file=m.file,
+    why=m.why,
+    tests=m.tests,
+    equivalent=m.equivalent,
+    note=m.note,
+    apply=lambda src, m=m: src.replace(m.old.encode(), m.new.encode(), 1),
+  )
+
+
+def _generated_task(m: mutagen.GenMutant, tests: tuple[str, ...]) -> dict:
+  return dict(
+    kind="generated",
+    name=m.name,
+    file=m.file,
+    why=m.why,
+    tests=tests,
+    equivalent=EQUIVALENT.get(m.name),
+    note=None,
+    apply=m.apply,
+  )
+
+
+def _result_key(copy: str, task: dict, mutated: bytes) -> str:
+  """A hash of what decides a mutant's result: the mutated package, its tests' files, conftest."""
+  h = hashlib.sha256(task["name"].encode() + mutated)
+  files = [f for f in mutagen.package_modules(copy) if f != task["file"]]
+  files += sorted({t.split("::")[0] for t in task["tests"] if t.endswith(".py") or "::" in t})
+  files += ["tests/conftest.py"]
+  for rel in files:
+    path = os.path.join(copy, rel)
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        h.update(rel.encode() + f.read())
+  h.update("\0".join(task["tests"]).encode())
+  return h.hexdigest()[:24]
+
+
+def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) -> dict:
+  copy = copies.get()
+  try:
+    path = os.path.join(copy, task["file"])
+    with open(path, "rb") as f:
+      original = f.read()
+    if not task["tests"]:
+      return dict(task, rc=0, output="no test runs this line", seconds=0.0)
+    mutated = task["apply"](original)
+    cached = os.path.join(CACHE, "results", _result_key(copy, task, mutated) + ".json")
+    if use_cache and os.path.exists(cached):
+      with open(cached) as f:
+        return dict(task, **json.load(f), cached=True)
+    with open(path, "wb") as f:
+      f.write(mutated)
+    try:
+      rc, output, dt = run_tests(copy, task["tests"], timeout)
+    finally:
+      with open(path, "wb") as f:
+        f.write(original)
+    if rc not in _BAD_SELECTION:
+      os.makedirs(os.path.dirname(cached), exist_ok=True)
+      with open(cached, "w") as f:
+        json.dump(dict(rc=rc, output=output, seconds=dt), f)
+    return dict(task, rc=rc, output=output, seconds=dt)
+  finally:
+    copies.put(copy)
+
+
+def affinity(module_file: str) -> tuple[str, ...]:
+  """The test files about a module: those its hand-written mutants name, then ``test_<name>.py``."""
+  files = []
+  for m in MUTANTS:
+    if m.file == module_file:
+      files += [t.split("::")[0] for t in m.tests if t.startswith("tests/test_")]
+  stem = os.path.splitext(os.path.basename(module_file))[0].lstrip("_")
+  files.append(f"tests/test_{stem}.py")
+  return tuple(dict.fromkeys(files))
+
+
+def _coverage_tests(root: str) -> list[str]:
+  return [
+    f"tests/{n}"
+    for n in sorted(os.listdir(os.path.join(root, "tests")))
+    if n.startswith("test_") and n.endswith(".py") and n not in COVERAGE_EXCLUDE
+  ]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--list", action="store_true", help="list the mutants, check snippets")
   parser.add_argument("--only", nargs="+", default=None, help="run only these mutants")
-  parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
   parser.add_argument(
-    "--report", default=None, help=f"report path (default {REPORT} for a full run)"
+    "--modules", nargs="+", default=None, help="only mutants of these modules (e.g. _state flax)"
   )
+  parser.add_argument("--no-hand", action="store_true", help="no hand-written mutants")
+  parser.add_argument("--no-generated", action="store_true", help="no generated mutants")
+  parser.add_argument(
+    "--sample", type=int, default=1, help="run every Nth generated mutant (a stable hash)"
+  )
+  parser.add_argument("--sample-offset", type=int, default=0, help="which Nth (0..N-1)")
+  parser.add_argument("--limit", type=int, default=None, help="at most this many generated")
+  parser.add_argument("--max-tests", type=int, default=24, help="tests per generated mutant")
+  parser.add_argument(
+    "--test-budget",
+    type=float,
+    default=15.0,
+    help="seconds of (measured) test time per generated mutant",
+  )
+  parser.add_argument(
+    "--no-result-cache",
+    action="store_true",
+    help="run every mutant even if the cache holds its result for the same sources",
+  )
+  parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
+  parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant at most")
+  parser.add_argument("--report", default=None, help=f"report path (default {REPORT})")
   parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
   parser.add_argument(
     "--tests",
@@ -246,35 +423,68 @@ def main(argv=None) -> int:
   )
   args = parser.parse_args(argv)
 
-  mutants = list(MUTANTS)
-  if args.only:
-    unknown = set(args.only) - {m.name for m in mutants}
-    if unknown:
-      sys.exit(f"mutate: unknown mutants {sorted(unknown)}")
-    mutants = [m for m in mutants if m.name in args.only]
-  if args.tests:
-    mutants = [dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants]
-  report = args.report or (REPORT if not (args.only or args.tests) else None)
-
   t_start = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix="jls-mutate-") as copy:
-    copy_repo(copy, head=args.head)
+  jobs = max(1, args.jobs)
+  os.makedirs(CACHE, exist_ok=True)
+  if not os.path.exists(os.path.join(CACHE, ".gitignore")):
+    with open(os.path.join(CACHE, ".gitignore"), "w") as f:
+      f.write("*\n")  # the cache ignores itself
+  with tempfile.TemporaryDirectory(prefix="jls-mutate-") as tmp:
+    copies = [os.path.join(tmp, f"copy{i}") for i in range(jobs)]
+    for c in copies:
+      os.makedirs(c)
+      copy_repo(c, head=args.head)
+    copy = copies[0]
     errors = check_snippets(copy, list(MUTANTS))
     if errors:
       print("mutate: mutants out of date with the code (fix tests/mutants.py):", file=sys.stderr)
       for e in errors:
         print("  " + e, file=sys.stderr)
       return 2
+
+    stem = lambda f: os.path.splitext(os.path.basename(f))[0]
+    wanted = {m.removesuffix(".py").split("/")[-1] for m in args.modules or ()}
+    hand = [] if args.no_hand else list(MUTANTS)
+    if wanted:
+      hand = [m for m in hand if stem(m.file) in wanted]
+    all_generated = [] if args.no_generated else mutagen.generate(copy, args.modules)
+    generated = mutagen.sample(all_generated, args.sample, args.sample_offset)
+    if args.limit is not None:
+      generated = generated[: args.limit]
+    if args.only:
+      known = {m.name for m in MUTANTS} | {m.name for m in mutagen.generate(copy)}
+      unknown = set(args.only) - known
+      if unknown:
+        sys.exit(f"mutate: unknown mutants {sorted(unknown)}")
+      hand = [m for m in MUTANTS if m.name in args.only]
+      generated = [m for m in mutagen.generate(copy) if m.name in args.only]
+    stale = sorted(set(EQUIVALENT) - {m.name for m in mutagen.generate(copy)})
+    if stale and not args.only:
+      print(f"mutate: EQUIVALENT names no generated mutant (stale): {stale}", file=sys.stderr)
+    if args.tests:
+      hand = [dataclasses.replace(m, tests=tuple(args.tests)) for m in hand]
+    selection = [
+      f"{len(hand)} of {len(MUTANTS)} hand-written mutants",
+      f"{len(generated)} of {len(all_generated)} generated mutants"
+      + (f" (modules {sorted(wanted)})" if wanted else " (every module)")
+      + (
+        f", every {args.sample}th by hash (offset {args.sample_offset})" if args.sample > 1 else ""
+      )
+      + (f", the first {args.limit}" if args.limit is not None else ""),
+      f"at most {args.max_tests} covering tests (about {args.test_budget:.0f} s of them) per "
+      f"generated mutant, {jobs} at once",
+    ]
     if args.list:
-      for m in mutants:
-        print(f"{m.name:40s} {m.file:32s} {' '.join(m.tests)}")
-      print(f"{len(mutants)} mutants, all snippets match exactly once")
+      for m in hand:
+        print(f"{m.name:48s} {m.file:34s} {' '.join(m.tests)}")
+      for m in generated:
+        print(f"{m.name:48s} {m.why}")
+      print("; ".join(selection) + "; all snippets match exactly once")
       return 0
     check_imports_from_copy(copy)
-    baseline_s = 0.0
-    if not args.no_baseline:
-      tests = tuple(sorted({t for m in mutants for t in m.tests}))
-      rc, output, baseline_s = run_tests(copy, tests, args.timeout * 2)
+    if hand and not args.no_baseline:
+      tests = tuple(sorted({t for m in hand for t in m.tests}))
+      rc, output, baseline_s = run_tests(copy, tests, args.timeout * 4)
       print(
         f"baseline ({len(tests)} test paths): {'pass' if rc == 0 else 'FAIL'} in "
         f"{baseline_s:.0f} s",
@@ -286,42 +496,77 @@ def main(argv=None) -> int:
           "mutate: the unmutated code fails its covering tests; fix that first", file=sys.stderr
         )
         return 2
-    results = []
-    for i, m in enumerate(mutants, 1):
-      path = os.path.join(copy, m.file)
-      with open(path) as f:
-        original = f.read()
-      with open(path, "w") as f:
-        f.write(original.replace(m.old, m.new, 1))
-      try:
-        rc, output, dt = run_tests(copy, m.tests, args.timeout)
-      finally:
-        with open(path, "w") as f:
-          f.write(original)
-      if rc in _BAD_SELECTION:
-        print(output, file=sys.stderr)
-        print(
-          f"mutate: {m.name}: pytest exit code {rc}: its test list selects nothing "
-          "runnable; fix tests/mutants.py",
-          file=sys.stderr,
-        )
-        return 2
-      status = "killed" if rc != 0 else ("equivalent" if m.equivalent else "survived")
-      results.append(dict(mutant=m, status=status, output=output, seconds=dt))
-      first = output.splitlines()[0] if output else ""
-      print(
-        f"[{i}/{len(mutants)}] {m.name}: {status} ({dt:.0f} s) {first if rc else ''}", flush=True
+    tasks = [_hand_task(m) for m in hand]
+    cov = None
+    if generated:
+      t0 = time.perf_counter()
+      cov = mutagen.build_coverage_map(
+        copy, pytest_env(copy), _coverage_tests(copy), CACHE, timeout=3600
       )
-      if status == "survived" or (status == "killed" and m.equivalent):
-        print("    " + output.replace("\n", "\n    "), flush=True)
+      print(
+        f"coverage map: {len(cov['durations'])} tests "
+        f"({cov.get('summary', '')}), {time.perf_counter() - t0:.0f} s "
+        f"(cached: {os.path.relpath(CACHE, ROOT)})",
+        flush=True,
+      )
+      if cov["failed"]:
+        print(f"mutate: tests failing unmutated, not used: {cov['failed']}", file=sys.stderr)
+      for m in generated:
+        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, affinity(m.file))
+        tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + tests))  # pinned ones first
+        tests = tuple(args.tests) if args.tests else tests
+        tasks.append(_generated_task(m, tests))
+    selection.append(
+      f"{sum(bool(t['tests']) for t in tasks if t['kind'] == 'generated')} generated mutants "
+      "covered by a test"
+    )
+
+    def timeout_of(task):
+      if task["kind"] == "hand" or cov is None:
+        return args.timeout
+      spent = sum(cov["durations"].get(t, 10.0) for t in task["tests"])
+      return min(args.timeout, 60.0 + 5.0 * spent)
+
+    pool_copies: queue.Queue = queue.Queue()
+    for c in copies:
+      pool_copies.put(c)
+    results = []
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+      use_cache = not args.no_result_cache
+      futures = [pool.submit(_run_task, t, pool_copies, timeout_of(t), use_cache) for t in tasks]
+      for i, fut in enumerate(futures, 1):
+        r = fut.result()
+        if r["rc"] in _BAD_SELECTION:
+          print(r["output"], file=sys.stderr)
+          print(
+            f"mutate: {r['name']}: pytest exit code {r['rc']}: its test list selects nothing "
+            "runnable" + ("; fix tests/mutants.py" if r["kind"] == "hand" else ""),
+            file=sys.stderr,
+          )
+          if r["kind"] == "hand":
+            pool.shutdown(cancel_futures=True)
+            return 2
+        killed = r["rc"] != 0 and r["rc"] not in _BAD_SELECTION
+        r["status"] = "killed" if killed else ("equivalent" if r["equivalent"] else "survived")
+        results.append(r)
+        first = r["output"].splitlines()[0] if r["output"] else ""
+        print(
+          f"[{i}/{len(tasks)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s"
+          f"{', cached' if r.get('cached') else ''}) "
+          f"{first if killed else ''}",
+          flush=True,
+        )
+        if r["status"] == "survived" or (r["status"] == "killed" and r["equivalent"]):
+          print(f"    {r['why']}; tests: {' '.join(r['tests']) or 'none'}", flush=True)
+          print("    " + r["output"].replace("\n", "\n    "), flush=True)
   total = time.perf_counter() - t_start
   line = summary_line(results)
+  report = args.report or (REPORT if not (args.only or args.tests) else None)
   if report:
-    write_report(report, results, total, baseline_s)
+    write_report(report, results, total, selection)
     print(f"wrote {os.path.relpath(report, ROOT)}")
   print(f"{line} ({total / 60:.1f} min)")
-  # A survivor fails the run unless its mutant carries a note saying why it survives.
-  return 1 if any(r["status"] == "survived" and not r["mutant"].note for r in results) else 0
+  return 1 if unexplained(results) else 0
 
 
 if __name__ == "__main__":

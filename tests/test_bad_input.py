@@ -251,6 +251,10 @@ _X64_SCRIPT = textwrap.dedent("""
     want = np.float32(np.float64(np.float32(1024 * 1.1)) * 0.3)
     assert float(state.loss_scale.scale) == want, float(state.loss_scale.scale)
     assert np.all(np.isfinite(np.asarray(params["w"])))
+    # scale_loss keeps a float64 loss in float64 (1/3 is not a float32)
+    loss = jls.scale_loss(jnp.asarray(1.0 / 3.0, jnp.float64), state)
+    assert loss.dtype == jnp.float64, loss.dtype
+    assert float(loss) == (1.0 / 3.0) * float(state.loss_scale.scale), float(loss)
     print("x64 ok")
 """)
 
@@ -264,3 +268,26 @@ def test_float64_with_x64_keeps_state_dtypes():
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "x64 ok" in proc.stdout
+
+
+def test_float64_in_process_under_enable_x64():
+  """The same promise in this process (``jax.enable_x64`` as a context), so that the
+  mutation runner's coverage map sees these lines run with float64."""
+  from jax_lossscale.flax import value_and_grad
+
+  third = 1.0 / 3.0  # not a float32: any float32 round trip changes it
+  with jax.enable_x64(True):
+    tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**10)
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    state = tx.init(params)
+    loss = jls.scale_loss(jnp.asarray(third, jnp.float64), state)
+    assert loss.dtype == jnp.float64 and float(loss) == third * 2.0**10
+    grads = {"w": jnp.asarray([third * 2.0**10, 2.0**10], jnp.float64)}
+    updates, state = tx.update(grads, state, params)
+    assert updates["w"].dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [-third, -1.0])
+    assert state.loss_scale.scale.dtype == jnp.float32
+    assert state.loss_scale.growth_tracker.dtype == jnp.int32
+    out = value_and_grad(lambda w: jnp.sum(w * third), state)(jnp.ones(2, jnp.float64))
+    assert out.grads.dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(out.grads), [third, third])

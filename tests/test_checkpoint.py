@@ -216,6 +216,14 @@ def test_config_metadata_round_trips_json_exactly():
     jls.checkpoint.check_scale_config(state, meta, ignore=("growth",))
   with pytest.raises(ValueError, match="metadata must be"):
     jls.checkpoint.check_scale_config(state, {"configs": {}})
+  for field in ("hysteresis", "min_scale", "dynamic"):  # a field missing is not "unchanged"
+    partial = json.loads(json.dumps(meta))
+    del partial["configs"]["['a']"][field]
+    with pytest.raises(
+      ValueError, match=rf"metadata for \"\['a'\]\" lacks the config field '{field}'"
+    ):
+      jls.checkpoint.check_scale_config(state, partial)
+    jls.checkpoint.check_scale_config(state, partial, ignore=(field,))
   with pytest.raises(ValueError, match="No DynamicScaleState"):
     jls.checkpoint.scale_config_metadata({"w": jnp.zeros(2)})
 

@@ -233,6 +233,58 @@ def test_inner_transformation_sees_float32_params(maybe_jit):
   assert _bits(updates) == _bits({"w": ref["w"].astype(jnp.float16)})
 
 
+def test_trainstate_hands_tx_float32_params(maybe_jit):
+  """``jax_lossscale.flax.TrainState.apply_gradients``, like the Optax wrapper, gives
+  ``tx`` the float16 params promoted to float32: weight decay is computed in float32
+  (in float16, 0.1 * 3.3 would be rounded to float16's 0.33)."""
+  from jax_lossscale.flax import TrainState
+
+  params = {"w": jnp.asarray([3.3, -1.7], jnp.float16)}
+  tx = optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1.0, momentum=0.5))
+  ts = TrainState.create(apply_fn=None, params=params, tx=tx)
+  grads = {"w": jnp.asarray([0.5, 0.25], jnp.float32)}
+  with jax.numpy_dtype_promotion("standard"):  # a float16 leak would then be a value
+    new = maybe_jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, grads)
+  trace = jax.tree_util.tree_leaves(new.opt_state)[0]
+  p32 = params["w"].astype(jnp.float32)
+  want = grads["w"] + jnp.float32(0.1) * p32  # the momentum trace after one step
+  assert trace.dtype == jnp.float32
+  np.testing.assert_array_equal(trace, want)
+  assert new.params["w"].dtype == jnp.float16
+
+
+def test_multi_steps_forwards_its_keyword_arguments():
+  """``use_grad_mean`` and ``should_skip_update_fn`` reach ``optax.MultiSteps``."""
+  params = {"w": jnp.zeros(1)}
+  grads = [{"w": jnp.asarray([2.0])}, {"w": jnp.asarray([4.0])}]
+
+  def run(**kwargs):
+    tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0), 2, **kwargs)
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int32 and floats
+      for g in grads:
+        updates, state = tx.update(g, state, params)
+    return float(updates["w"][0]), state
+
+  assert run()[0] == -3.0  # the mean by default
+  assert run(use_grad_mean=False)[0] == -6.0  # the sum
+  skip_all = lambda updates, gradient_step, params: (jnp.asarray(True), ())
+  value, state = run(should_skip_update_fn=skip_all)
+  assert value == 0.0 and int(state.mini_step) == 0 and int(state.gradient_step) == 0
+
+
+def test_multi_steps_passes_extra_args_to_the_inner_transformation():
+  def update_fn(updates, state, params=None, *, factor):
+    return jax.tree_util.tree_map(lambda u: u * factor, updates), state
+
+  inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+  tx = jls.multi_steps(jls.dynamic_loss_scale(inner, init_scale=2.0), 1)
+  params = {"w": jnp.zeros(2)}
+  with jax.numpy_dtype_promotion("standard"):  # MultiSteps mixes int32 and floats
+    updates, _ = tx.update({"w": jnp.asarray([2.0, 4.0])}, tx.init(params), params, factor=3.0)
+  np.testing.assert_array_equal(updates["w"], [3.0, 6.0])  # unscaled by 2, then times 3
+
+
 def test_trainstate_adds_float32_updates_to_float16_params_once(maybe_jit):
   """``jax_lossscale.flax.TrainState`` applies an update as ``optax.apply_updates``
   does: ``p + u`` in float32, rounded to float16 once. Rounding ``u`` to float16

@@ -69,6 +69,59 @@ def test_state_of_another_config_is_refused_naming_both(maybe_jit):
     maybe_jit(other.update)({"w": jnp.ones(2)}, state, params)
 
 
+def test_a_state_whose_min_scale_is_above_this_init_scale_names_both_configs():
+  # Comparing the configs must not re-validate the state's with this init_scale.
+  params = {"w": jnp.zeros(2)}
+  state = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=8.0, min_scale=4.0).init(params)
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=0.5)
+  with pytest.raises(ValueError, match=r"another configuration.*min_scale=4\.0.*min_scale=1\.17"):
+    tx.update({"w": jnp.ones(2)}, state, params)
+
+
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("growth_factor", 3.0),
+    ("backoff_factor", 0.25),
+    ("growth_interval", 7),
+    ("min_scale", 2.0**-20),
+    ("max_scale", 2.0**30),
+    ("hysteresis", 2),
+  ],
+)
+def test_a_state_differing_in_any_one_field_is_refused(field, value):
+  params = {"w": jnp.zeros(2)}
+  state = jls.dynamic_loss_scale(optax.sgd(1.0), **{field: value}).init(params)
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0))
+  with pytest.raises(ValueError, match=f"another configuration.*{field}="):
+    tx.update({"w": jnp.ones(2)}, state, params)
+  # ... and by the scaler that made it, with another init_scale only, accepted.
+  same = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, **{field: value})
+  _, new_state = same.update({"w": jnp.ones(2)}, state, params)
+  assert getattr(new_state.loss_scale.config, field) == value
+
+
+def test_a_pinned_band_is_accepted_and_holds_the_scale():
+  tx = jls.dynamic_loss_scale(
+    optax.sgd(1.0), init_scale=8.0, min_scale=8.0, max_scale=8.0, growth_interval=1
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for g in (1.0, jnp.inf, 1.0, 1.0):  # growth and backoff both clamp to 8
+    _, state = tx.update({"w": jnp.full(2, g, jnp.float32)}, state, params)
+    assert float(state.loss_scale.scale) == 8.0
+  assert jls.DynamicScaleState.create(init_scale=2.0, min_scale=2.0, max_scale=2.0).scale == 2.0
+
+
+@pytest.mark.parametrize("field", ["growth_interval", "hysteresis"])
+def test_integer_fields_stop_at_int32_max(field):
+  assert getattr(jls.DynamicScaleState.create(**{field: 2**31 - 1}).config, field) == 2**31 - 1
+  with pytest.raises(ValueError, match=rf"{field} must be an integer in \[1, 2\*\*31 - 1\]"):
+    jls.DynamicScaleState.create(**{field: 2**31})
+  with pytest.raises(ValueError, match=field):
+    jls.dynamic_loss_scale(optax.sgd(1.0), **{field: 2**31})
+
+
 def test_static_state_given_to_a_dynamic_scaler_is_refused(maybe_jit):
   params = {"w": jnp.zeros(2)}
   state = jls.no_loss_scale(optax.sgd(1.0)).init(params)
@@ -214,6 +267,16 @@ def test_inner_state_through_chain_and_multi_steps():
     jls.inner_state(optax.adam(1e-3).init(params))
 
 
+def test_inner_state_refuses_several_loss_scale_states():
+  params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+  tx = optax.partition(
+    {"a": jls.dynamic_loss_scale(optax.sgd(1.0)), "b": jls.no_loss_scale(optax.adam(1e-3))},
+    {"a": "a", "b": "b"},
+  )
+  with pytest.raises(ValueError, match="exactly one LossScaleState, found 2"):
+    jls.inner_state(tx.init(params))
+
+
 # ----------------------------------------------------------------------------- warnings
 
 
@@ -275,6 +338,22 @@ def test_stock_multisteps_warns_once_towards_multi_steps(fresh_warnings):
     _signals._WARNED.clear()
     jls.scale_loss(jnp.float32(1.0), ours.init(params))  # never for multi_steps
     assert isinstance(ours.init(params), optax.MultiStepsState)
+
+
+def test_the_two_warnings_are_once_only_each_on_its_own(fresh_warnings):
+  # One warning having fired must not silence the other (separate once-only kinds).
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  stock = optax.MultiSteps(jls.dynamic_loss_scale(optax.sgd(1.0)), 2)
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1))
+  with pytest.warns(jls.LossScaleWarning, match="bfloat16 gradients"):
+    tx.update({"w": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
+  with pytest.warns(jls.LossScaleWarning, match="inside optax.MultiSteps"):
+    jls.scale_loss(jnp.float32(1.0), stock.init(params))
+  _signals._WARNED.clear()
+  with pytest.warns(jls.LossScaleWarning, match="inside optax.MultiSteps"):
+    jls.scale_loss(jnp.float32(1.0), stock.init(params))
+  with pytest.warns(jls.LossScaleWarning, match="bfloat16 gradients"):
+    tx.update({"w": jnp.ones(2, jnp.bfloat16)}, tx.init(params), params)
 
 
 def test_stock_multisteps_warning_can_be_silenced(fresh_warnings):

@@ -1,11 +1,13 @@
 """Runs every example with ``--smoke`` in a subprocess (all started at once)."""
 
+import concurrent.futures
 import importlib.util
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -22,31 +24,51 @@ EXAMPLES = [
 ]
 
 
+# Each example alone takes 4-20 s on one CPU core. They used to be started all
+# at once and waited for in list order, each with its own 240 s timeout: the
+# first one's clock (optax_quickstart.py) ran while all seven competed for the
+# cores (36 s instead of 4 s alone on a loaded 2-core machine), whereas each
+# later one's clock only started once the previous had been collected. Under
+# load the first example could therefore time out (and failed once) while the
+# others never could. Now at most one example runs per core, each timed from
+# its own start, with its output in files (no pipe can fill and block it).
+TIMEOUT_S = 240
+
+
+def _run_example(name, env, tmp):
+  out_path, err_path = tmp / f"{name}.out", tmp / f"{name}.err"
+  t0 = time.monotonic()
+  with open(out_path, "w") as out, open(err_path, "w") as err:
+    try:
+      rc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), "--smoke"],
+        stdout=out,
+        stderr=err,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=TIMEOUT_S,
+      ).returncode
+      note = ""
+    except subprocess.TimeoutExpired:
+      rc = -9
+      note = f"\ntimed out after {TIMEOUT_S} s (load average {os.getloadavg()})"
+  seconds = time.monotonic() - t0
+  return rc, out_path.read_text(), err_path.read_text() + note + f"\n({seconds:.0f} s)"
+
+
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   env.pop("XLA_FLAGS", None)  # data_parallel.py must set up its devices itself
-  procs = {
-    name: subprocess.Popen(
-      [sys.executable, str(ROOT / "examples" / name), "--smoke"],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-      env=env,
-      cwd=ROOT,
-    )
-    for name in EXAMPLES
-  }
-  results = {}
-  for name, proc in procs.items():
-    try:
-      out, err = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      out, err = proc.communicate()
-    results[name] = (proc.returncode, out, err)
-  return results
+  tmp = tmp_path_factory.mktemp("examples")
+  workers = max(1, min(len(EXAMPLES), os.cpu_count() or 1))
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    # The longest first, so that it does not start last.
+    order = sorted(EXAMPLES, key=lambda n: n != "transformer_lm.py")
+    futures = {name: pool.submit(_run_example, name, env, tmp) for name in order}
+    return {name: futures[name].result() for name in EXAMPLES}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

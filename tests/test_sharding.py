@@ -403,3 +403,87 @@ def test_make_mesh_default_is_explicit_here():
   """The premise of this file: jax.make_mesh defaults to Explicit axes (JAX >= 0.7)."""
   mesh = jax.make_mesh((N_DEV,), ("d",))
   assert mesh.axis_types == (AxisType.Explicit,)
+
+
+# -- init placement of every wrapper's own scalars -------------------------------------------
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_multi_steps_init_places_its_counters_on_the_params_mesh(axis_type):
+  """``mini_step`` and ``gradient_step`` are replicated on the params' mesh, as the scale
+  state is: host-local single-device arrays could not be checkpointed under
+  ``jax.distributed``."""
+  mesh = _mesh(axis_type)
+  _, params_np = _data()
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9)), 2)
+  with _in_mesh(mesh):
+    params = _put(mesh, params_np)
+    state = tx.init(params)
+  _assert_replicated_on((state.mini_step, state.gradient_step), mesh)
+  _assert_replicated_on(jls.get_scale_state(state), mesh)
+  _assert_like_params(state.acc_grads, params)
+  for leaf in jax.tree_util.tree_leaves(state):
+    assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh, leaf.sharding
+
+
+# -- a large FSDP leaf traced on an Explicit mesh ---------------------------------------------
+
+BIG = (1024, 128)  # 2**17 elements: above _skip.LARGE, where the CPU skip orders its selects
+
+
+def test_a_large_fsdp_leaf_traced_on_an_explicit_mesh_is_seen_as_sharded():
+  """Under ``jit`` the leaves are tracers: the skip reads their sharding from the type
+  (``jax.typeof``), so it never takes a one-element slice of a leaf split over ``d``
+  (an Explicit mesh refuses that slice)."""
+  from jax_lossscale import _skip
+
+  mesh = _mesh(AxisType.Explicit)
+  seen = []
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones(BIG, jnp.float32), NamedSharding(mesh, P("d", None)))
+    r = jax.device_put(jnp.ones(BIG, jnp.float32), NamedSharding(mesh, P()))
+    jax.jit(lambda w, r: seen.extend([_skip._explicitly_sharded(w), _skip._explicitly_sharded(r)]))(
+      w, r
+    )
+  assert seen == [True, False]
+
+
+@pytest.mark.parametrize("entry", ["dynamic_loss_scale", "TrainState"])
+def test_a_large_fsdp_leaf_trains_and_skips_on_an_explicit_mesh(entry):
+  mesh = _mesh(AxisType.Explicit)
+  rng = np.random.default_rng(0)
+  w_np = rng.normal(size=BIG).astype(np.float32)
+  x_np = rng.normal(size=(N_DEV, BIG[0])).astype(np.float32)
+  loss = lambda w, x: jnp.mean((x @ jax.sharding.reshard(w, NamedSharding(mesh, P()))) ** 2)
+  with jax.set_mesh(mesh):
+    w = jax.device_put(w_np, NamedSharding(mesh, P("d", None)))
+    xs = [jnp.asarray(x_np), jnp.asarray(x_np).at[2, 7].set(jnp.inf)]
+    if entry == "dynamic_loss_scale":
+      tx = jls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9), init_scale=2.0**8)
+      state = tx.init({"w": w})
+
+      @jax.jit
+      def step(params, state, x):
+        grads = jax.grad(lambda p: jls.scale_loss(loss(p["w"], x), state))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+      out = [step({"w": w}, state, x) for x in xs]
+      news = [o[0]["w"] for o in out]
+      moments = [jax.tree_util.tree_leaves(o[1].inner_state)[0] for o in out]
+    else:
+      ts = TrainState.create(apply_fn=None, params={"w": w}, tx=optax.sgd(0.1, momentum=0.9))
+
+      @jax.jit
+      def step(ts, x):
+        g = ts.value_and_grad(lambda p: loss(p["w"], x))(ts.params)
+        return ts.apply_gradients(grads=g.grads, finite=g.finite)
+
+      out = [step(ts, x) for x in xs]
+      news = [o.params["w"] for o in out]
+      moments = [jax.tree_util.tree_leaves(o.opt_state)[0] for o in out]
+  for a in news + moments:
+    assert _spec(a) == ("d",), a.sharding  # still FSDP, nothing gathered
+  assert not np.array_equal(np.asarray(news[0]), w_np)  # the clean step moved
+  assert np.asarray(news[1]).tobytes() == w_np.tobytes()  # the skip kept it, bit for bit
+  assert not np.any(np.asarray(moments[1]))

@@ -393,3 +393,28 @@ def test_state_round_trips_through_tree_map_and_jit():
     assert t.config == s.config and isinstance(t, jls.DynamicScaleState)
   leaves = jax.tree_util.tree_leaves(s)
   assert len(leaves) == 5 and all(isinstance(x, jax.Array) for x in leaves)
+
+
+def test_inner_sees_integer_and_boolean_leaves_as_they_are():
+  """Only float16/bfloat16 leaves are promoted for ``inner``: an int32 or bool param (a
+  step counter, a mask) reaches it in its own dtype, in init and in update."""
+  seen = []
+
+  def init_fn(params):
+    seen.append({k: v.dtype for k, v in params.items()})
+    return optax.EmptyState()
+
+  def update_fn(updates, state, params=None):
+    seen.append({k: v.dtype for k, v in params.items()})
+    return updates, state
+
+  tx = jls.dynamic_loss_scale(optax.GradientTransformation(init_fn, update_fn), init_scale=2.0)
+  params = {
+    "i": jnp.arange(2, dtype=jnp.int32),
+    "b": jnp.asarray([True, False]),
+    "h": jnp.ones(2, jnp.float16),
+  }
+  grads = {"i": jnp.zeros(2, jnp.int32), "b": jnp.asarray([False, False]), "h": params["h"]}
+  tx.update(grads, tx.init(params), params)
+  want = {"i": jnp.int32, "b": jnp.bool_, "h": jnp.float32}
+  assert seen == [want, want]
