@@ -53,10 +53,9 @@ def map_gradients(
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   meta = [_is_meta_path(path) for path, _ in flat]
   leaves = [x for _, x in flat]
-  new, extra = fn([x for x, m in zip(leaves, meta) if not m])
+  new_grads, extra = fn([x for x, m in zip(leaves, meta) if not m])
   meta_leaves = [x for x, m in zip(leaves, meta) if m]
-  new_meta = iter(meta_fn(meta_leaves))
-  new = iter(new)
+  new_meta, new = iter(meta_fn(meta_leaves)), iter(new_grads)
   out = [next(new_meta) if m else next(new) for m in meta]
   return jax.tree_util.tree_unflatten(treedef, out), extra
 
