@@ -922,7 +922,7 @@ MUTANTS = [
 #: Generated mutants (``tests/mutagen.py``) that no test can tell from the
 #: original, by name, with the reason.
 EQUIVALENT: dict[str, str] = {
-  "_guard:91:drop-kwarg:separator": (
+  "_guard:92:drop-kwarg:separator": (
     "only the layout of a batched scale inside the LossScaleError message ('[1., 2.]' vs "
     "'[1. 2.]'); no value, no control flow"
   ),
@@ -930,17 +930,17 @@ EQUIVALENT: dict[str, str] = {
     "an integer or boolean leaf then goes through logical_not(all(isfinite(g))), which is "
     "False for every integer/bool array: the same bool scalar as the fallback's"
   ),
-  "_numerics:31:cmp-nonstrict": (
+  "_numerics:35:cmp-nonstrict": (
     "`itemsize <= 4` also maps 4-byte dtypes to float32; the only 4-byte float is float32"
   ),
-  "_numerics:61:cmp-nonstrict": (
+  "_numerics:65:cmp-nonstrict": (
     "at exactly scale == 2**126 both paths are exact: 1/2**126 is a normal float32, and "
     "2**64/2**126 then / 2**64 multiplies by the same power of two, one rounding each"
   ),
-  "_numerics:100:if-false": (
+  "_numerics:111:if-false": (
     "a single flag through the sum/sqrt combination gives the same bool (a fast path for one leaf)"
   ),
-  "_numerics:102:reduce:sum->max": (
+  "_numerics:113:reduce:sum->max": (
     "the flags are 0/1: max == 0 exactly when sum == 0, so sqrt(.) == 0 is the same AND"
   ),
   "_product:43:no-bound#2": (
@@ -976,10 +976,10 @@ EQUIVALENT: dict[str, str] = {
 #: Generated mutants whose killing test the coverage selection does not pick (their line
 #: runs in hundreds of tests): these tests run first, before the selected ones.
 PINNED: dict[str, tuple[str, ...]] = {
-  "_numerics:31:if-true": (BAD + "::test_float64_in_process_under_enable_x64",),
-  "_numerics:41:cmp-negate": (COMP + "::test_inner_transformation_sees_float32_params",),
-  "_numerics:41:if-true": (COMP + "::test_inner_transformation_sees_float32_params",),
-  "_numerics:41:if-false": (TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",),
+  "_numerics:35:if-true": (BAD + "::test_float64_in_process_under_enable_x64",),
+  "_numerics:45:cmp-negate": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:45:if-true": (COMP + "::test_inner_transformation_sees_float32_params",),
+  "_numerics:45:if-false": (TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",),
   "_product:144:if-true": ("tests/test_product_ties.py",),
   "_product:164:cmp-nonstrict": (
     "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
@@ -987,11 +987,11 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_product:164:if-false": (
     "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
   ),
-  "_rule:77:if-false": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
-  "_rule:86:no-bound": (ST + "::test_upward_storm_never_reaches_inf",),
-  "_numerics:134:if-false": (TR + "::test_non_float_and_none_leaves_pass_through",),
+  "_rule:76:if-false": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
+  "_rule:85:no-bound": (ST + "::test_upward_storm_never_reaches_inf",),
+  "_numerics:145:if-false": (TR + "::test_non_float_and_none_leaves_pass_through",),
   "_product:93:cmp-negate#2": (
     "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
-  "_rule:19:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+  "_rule:18:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
 }
