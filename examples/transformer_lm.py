@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--init-scale", type=float, default=2.0**16, help="initial loss scale")
   p.add_argument("--growth-interval", type=int, default=2000, help="torch's default")
+  p.add_argument(
+    "--cast",
+    choices=("autocast", "hand"),
+    default="autocast",
+    help="how the float16 runs train: jls.autocast of the float32 model (default), or the "
+    "model's own dtype=float16 casts",
+  )
   p.add_argument("--json", default=None, help="write the results to this file")
   return p
 
@@ -202,13 +209,22 @@ def make_functions(args, train_tokens, dtype, scaled):
     logits = model.clone(dtype=compute_dtype).apply(variables, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+  if dtype != jnp.float32 and args.cast == "autocast":
+    # The float32 model (every dtype= float32), with torch's autocast policy: the Dense and
+    # einsum matmuls in float16; softmax, layernorm statistics and the loss in float32.
+    train_loss = jls.autocast(lambda v, b: loss_fn(v, b, jnp.float32), dtype)
+  else:
+
+    def train_loss(v, b):
+      return loss_fn(v, b, dtype)
+
   def step(carry, i):
     params, opt_state = carry
     batch = get_batch(i)
     scale_state = jls.get_scale_state(opt_state)
 
     def scaled_loss(p):
-      loss = loss_fn({"params": p}, batch, dtype)
+      loss = train_loss({"params": p}, batch)
       return jls.scale_loss(loss, opt_state), loss
 
     grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -236,7 +252,11 @@ def make_functions(args, train_tokens, dtype, scaled):
 
 
 def check_at(loss_fn, get_batch, model, params, step, scale):
-  """``jls.diagnostics.check_underflow`` of one batch, params and activations (perturbations)."""
+  """``jls.diagnostics.check_underflow`` of one batch, params and activations (perturbations).
+
+  The perturbation taps need the model's own float16 casts (``loss_fn``'s dtype): under
+  autocast a float32 tap would promote the activation it taps to float32.
+  """
   batch = get_batch(step)
   perturb = model.init(jax.random.key(0), batch[0])["perturbations"]
   variables = {"params": params, "perturbations": perturb}

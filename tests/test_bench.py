@@ -34,6 +34,7 @@ TINY = {
     lambda seed=1: bench_models.mlp_make_batch(WIDTHS, seed),
     bench_models.mlp_loss_fn,
     {"widths": WIDTHS},
+    plain_loss_fn=bench_models.mlp_plain_loss_fn,
   ),
   "transformer": bench_models.Model(
     "tiny-lm",
@@ -42,6 +43,7 @@ TINY = {
     lambda seed=1: bench_models.lm_make_batch(seed, **TINY_LM),
     bench_models.lm_loss_fn,
     {"transformer": TINY_LM},
+    plain_loss_fn=bench_models.lm_plain_loss_fn,
   ),
   "gpt": bench_models.gpt("tiny-gpt", "tiny GPT (AdamW)", bench_gpt.TINY_GPT),
 }
