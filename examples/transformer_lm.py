@@ -4,10 +4,17 @@ A template for transformer users (Flax linen). Mixed precision as PyTorch's
 autocast does it:
 
 * float32 master params (``param_dtype=float32``) and a float32 residual stream;
-* float16 matmuls (``dtype=float16`` on every ``nn.Dense``, the attention
-  einsums in float16);
+* float16 matmuls (the ``nn.Dense`` layers, the attention einsums);
 * softmax, layernorm statistics and the cross-entropy in float32 (see
   ``attention`` for what goes wrong with a float16 softmax).
+
+By default (``--cast autocast``) the float16 runs train ``jls.autocast`` of the model
+built for float32 (every ``dtype=`` float32), which makes those casts by torch's policy;
+``--cast hand`` trains the model's own ``dtype=float16`` casts instead. The two differ in
+one place: ``nn.gelu`` (tanh form, written with ``x ** 3``) runs partly in float32 under
+autocast (``integer_pow`` is on torch's float32 list) and in float16 by hand; the losses
+agree to ~1e-5 (``--smoke --compare``). The ``check_underflow`` probes keep the hand casts:
+their perturbation taps must be added in float16.
 
 Linen rather than NNX because the params are a plain nested dict: the keys
 ``jls.diagnostics.grad_diagnostics`` logs (``layers_0/attn/qkv/kernel/headroom``) are the
@@ -204,10 +211,14 @@ def make_functions(args, train_tokens, dtype, scaled):
     seq = data[idx]
     return seq[:, :-1], seq[:, 1:]
 
+  # One float32 region, as torch's cross_entropy under autocast: JAX inlines log_softmax, and
+  # its max-subtraction would otherwise run in float16 under jls.autocast.
+  cross_entropy = jls.float32(optax.softmax_cross_entropy_with_integer_labels)
+
   def loss_fn(variables, batch, compute_dtype):
     x, y = batch
     logits = model.clone(dtype=compute_dtype).apply(variables, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return cross_entropy(logits, y).mean()
 
   if dtype != jnp.float32 and args.cast == "autocast":
     # The float32 model (every dtype= float32), with torch's autocast policy: the Dense and
