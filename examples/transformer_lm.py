@@ -10,11 +10,14 @@ autocast does it:
 
 By default (``--cast autocast``) the float16 runs train ``jls.autocast`` of the model
 built for float32 (every ``dtype=`` float32), which makes those casts by torch's policy;
-``--cast hand`` trains the model's own ``dtype=float16`` casts instead. The two differ in
-one place: ``nn.gelu`` (tanh form, written with ``x ** 3``) runs partly in float32 under
-autocast (``integer_pow`` is on torch's float32 list) and in float16 by hand; the losses
-agree to ~1e-5 (``--smoke --compare``). The ``check_underflow`` probes keep the hand casts:
-their perturbation taps must be added in float16.
+``--cast hand`` trains the model's own ``dtype=float16`` casts instead. The forward logits
+are the same; the gradients differ in two places, and the losses agree to ~1e-5
+(``--smoke --compare``): ``nn.gelu`` (tanh form, written with ``x ** 3``) runs partly in
+float32 under autocast (``integer_pow`` is on torch's float32 list), and each bias is cast
+where the add consumes it, after its broadcast, so its gradient's sum over the batch runs
+in float32 (the hand-cast ``nn.Dense`` casts the bias first and sums in float16). The
+``check_underflow`` probes keep the hand casts: their perturbation taps must be added in
+float16.
 
 Linen rather than NNX because the params are a plain nested dict: the keys
 ``jls.diagnostics.grad_diagnostics`` logs (``layers_0/attn/qkv/kernel/headroom``) are the
