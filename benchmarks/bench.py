@@ -15,7 +15,9 @@ params and optimizer state) of every model (see ``bench_models.py``) in one proc
   inner update skipped by ``lax.cond`` instead of ``jnp.where``, to show what
   the ``jnp.where`` design costs on this backend;
 * ``jls_diagnostics``: ``jax_lossscale`` plus ``jax_lossscale.diagnostics.grad_diagnostics``
-  on every step (only where the installed package has it).
+  on every step (only where the installed package has it);
+* ``jls_autocast``: the ``jax_lossscale`` step on ``jls.autocast`` of the model written for
+  float32 (its ``plain_loss_fn``), against ``jax_lossscale`` on the model cast by hand.
 
 Compilation (``jax.jit(step).lower(...).compile()``) and warm-up happen
 outside the timing; the compiled step's ``memory_analysis()`` gives its peak
@@ -97,7 +99,7 @@ def compile_variant(name: str, model: bench_models.Model, params, x, y):
   The CPU seconds (``time.process_time``, all threads of the process) are
   less sensitive than wall time to other processes on a shared machine.
   """
-  variant = bench_variants.make_variant(name, model.loss_fn, model.make_tx)
+  variant = bench_variants.make_variant(name, model.loss_fn, model.make_tx, model.plain_loss_fn)
   state = variant.init(jax.tree_util.tree_map(jnp.copy, params))
   jitted = jax.jit(variant.step, donate_argnums=(0,))
   t0 = time.perf_counter()
@@ -119,6 +121,8 @@ def run_steps(compiled, state, x, y, k: int):
 def bench_model(name: str, args) -> dict[str, Any]:
   model = MODELS[name]
   names = [v for v in args.variants if not (args.quick and (name, v) in QUICK_SKIP)]
+  if model.plain_loss_fn is None:  # no float32 model to autocast
+    names = [v for v in names if not bench_variants.REGISTRY[v].plain]
   params = model.init_params(0)
   x, y = model.make_batch(1)
   leaves = jax.tree_util.tree_leaves(params)

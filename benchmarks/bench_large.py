@@ -17,8 +17,8 @@ d_model 768, 12 heads, sequence 1024, vocab 50304, ~124M params, layers under
   ``torch.autocast(float16)``, ``torch.amp.GradScaler`` and fused AdamW,
   eager and with ``torch.compile(model)``.
 
-(``jls.autocast`` variants go beside the hand-cast ones once it exists; see
-:func:`autocast_variants`.)
+* ``autocast_dynamic_loss_scale`` / ``autocast_bfloat16``: the same two steps on
+  ``jls.autocast`` of the float32 model (XLA attention; see :func:`autocast_variants`).
 
 Every variant is compiled (and warmed up) first, its compile time printed;
 then in ``--rounds`` rounds, in a shuffled order, each runs ``--steps``
@@ -196,14 +196,52 @@ def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[
 
 
 def autocast_variants(cfg: GPTConfig) -> dict[str, tuple[str, Callable[[], Any]]]:
-  """Placeholder for the ``jls.autocast`` variants, beside the hand-cast ones.
+  """The ``jls.autocast`` variants, beside the hand-cast ones: the same step and optimizer.
 
-  ``jax_lossscale.autocast`` is being built in parallel; once it exists, its
-  float16 (dynamic scaling) and bfloat16 variants of the same step belong
-  here, with the same ``(label, make)`` entries as :func:`_jax_steps`.
+  The model is ``bench_gpt.loss_fn`` with ``dtype=float32`` (the float32 model: every cast
+  of the hand-cast model a no-op), run under ``jls.autocast(..., float16 or bfloat16)``.
+  Its attention is the XLA einsum one (cuDNN attention takes half-precision inputs only, and
+  the float32 model is traced in float32), so compare it with the hand-cast variants run with
+  ``--attention xla``. Empty where the installed package has no ``autocast``.
   """
-  del cfg
-  return {}
+  if not hasattr(jls, "autocast"):
+    return {}
+  float32_model = lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32, "xla")
+
+  def make_for(dtype, wrap):
+    def make():
+      tx, f = wrap(adamw()), jls.autocast(float32_model, dtype)
+
+      def step(state, x, y):
+        params, opt_state = state
+
+        def scaled(p):
+          value = f(p, x, y)
+          return jls.scale_loss(value, opt_state), value
+
+        grads, value = jax.grad(scaled, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+      def notes(state):
+        s = jls.get_scale_state(state[1])
+        return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
+
+      return (lambda p: (p, tx.init(p))), step, notes
+
+    return make
+
+  dls = lambda tx: jls.dynamic_loss_scale(tx, init_scale=INIT_SCALE)
+  return {
+    "autocast_dynamic_loss_scale": (
+      "float16, jls.autocast(float32 model) + jls.dynamic_loss_scale",
+      make_for(jnp.float16, dls),
+    ),
+    "autocast_bfloat16": (
+      "bfloat16, jls.autocast(float32 model) + jls.no_loss_scale",
+      make_for(jnp.bfloat16, jls.no_loss_scale),
+    ),
+  }
 
 
 def _memory(compiled) -> dict[str, Any]:
@@ -364,7 +402,7 @@ def run_all(args) -> dict[str, Any]:
   x, y = bench_gpt.make_batch(cfg, args.seed + 1)
   specs = {**_jax_steps(cfg, args.attention), **autocast_variants(cfg)}
   if not hasattr(jls, "autocast"):
-    log("jls.autocast is not in this build: its variants are left out (placeholder)")
+    log("jls.autocast is not in this build: its variants are left out")
   torch_ok = True
   try:
     import torch  # noqa: F401

@@ -38,6 +38,8 @@ class Model(NamedTuple):
   loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array]  # float32 scalar
   config: dict[str, Any]  # what the JSON records about the model
   make_tx: Callable[[], Any] | None = None  # the optimizer (None: optax.adam)
+  # The same model written for float32 (no casts), for the jls.autocast variant; None: none.
+  plain_loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array] | None = None
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -62,13 +64,14 @@ def mlp_make_batch(widths: list[int], seed: int = 1) -> tuple[jax.Array, jax.Arr
   return x, y
 
 
-def mlp_loss_fn(params, x, y):
-  """Cross-entropy of a tanh MLP computed in float16 (float32 loss)."""
-  h = x
+def mlp_loss_fn(params, x, y, dtype=COMPUTE):
+  """Cross-entropy of a tanh MLP computed in float16 (float32 loss); ``dtype=float32``: the
+  float32 model the autocast variant runs."""
+  h = x.astype(dtype)
   names = sorted(params)
   for i, name in enumerate(names):
     layer = params[name]
-    h = h @ layer["w"].astype(COMPUTE) + layer["b"].astype(COMPUTE)
+    h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)
     if i + 1 < len(names):
       h = jnp.tanh(h)
   logits = h.astype(jnp.float32)
@@ -83,7 +86,12 @@ def mlp(name: str, label: str, widths: list[int]) -> Model:
     make_batch=lambda seed=1: mlp_make_batch(widths, seed),
     loss_fn=mlp_loss_fn,
     config={"widths": widths},
+    plain_loss_fn=mlp_plain_loss_fn,
   )
+
+
+def mlp_plain_loss_fn(params, x, y):
+  return mlp_loss_fn(params, x, y, jnp.float32)
 
 
 # ----------------------------------------------------------------------------- transformer
@@ -131,21 +139,26 @@ def lm_make_batch(seed: int = 1, **cfg) -> tuple[jax.Array, jax.Array]:
   return jnp.asarray(tokens[:, :-1], jnp.int32), jnp.asarray(tokens[:, 1:], jnp.int32)
 
 
-def _layernorm(h, p):
+def _layernorm(h, p, dtype=COMPUTE):
   """Statistics in float32, output in float16 for the next matmul."""
   h = h.astype(jnp.float32)
   mean = h.mean(-1, keepdims=True)
   var = jnp.square(h - mean).mean(-1, keepdims=True)
   out = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
-  return out.astype(COMPUTE)
+  return out.astype(dtype)
 
 
-def _matmul(h, w):
-  return h @ w.astype(COMPUTE)
+def _matmul(h, w, dtype=COMPUTE):
+  return h @ w.astype(dtype)
 
 
-def lm_loss_fn(params, x, y, heads: int = LM["heads"]):
-  """Mean next-token cross-entropy (float32) of the decoder-only LM."""
+def lm_plain_loss_fn(params, x, y):
+  """The LM written for float32 (every cast a no-op), for the autocast variant."""
+  return lm_loss_fn(params, x, y, dtype=jnp.float32)
+
+
+def lm_loss_fn(params, x, y, heads: int = LM["heads"], dtype=COMPUTE):
+  """Mean next-token cross-entropy (float32) of the decoder-only LM (matmuls in ``dtype``)."""
   t = x.shape[1]
   h = params["embed"][x] + params["pos"][:t]  # float32 residual stream
   mask = jnp.tril(jnp.ones((t, t), bool))
@@ -153,18 +166,18 @@ def lm_loss_fn(params, x, y, heads: int = LM["heads"]):
   for name in blocks:
     p = params[name]
     b, _, d = h.shape
-    qkv = _matmul(_layernorm(h, p["ln1"]), p["qkv"])  # float16
+    qkv = _matmul(_layernorm(h, p["ln1"], dtype), p["qkv"], dtype)  # float16
     q, k, v = jnp.split(qkv.reshape(b, t, 3, heads, d // heads), 3, axis=2)
     q, k, v = (a[:, :, 0].transpose(0, 2, 1, 3) for a in (q, k, v))  # b h t dh
     logits = (q @ k.transpose(0, 1, 3, 2)).astype(jnp.float32) / np.float32(np.sqrt(d // heads))
     logits = jnp.where(mask, logits, np.float32(-1e9))
-    attn = jax.nn.softmax(logits, axis=-1).astype(COMPUTE)  # float32 softmax
+    attn = jax.nn.softmax(logits, axis=-1).astype(dtype)  # float32 softmax
     out = (attn @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-    h = h + _matmul(out, p["proj"]).astype(jnp.float32)
-    m = _matmul(_layernorm(h, p["ln2"]), p["fc1"]) + p["fc1_b"].astype(COMPUTE)
+    h = h + _matmul(out, p["proj"], dtype).astype(jnp.float32)
+    m = _matmul(_layernorm(h, p["ln2"], dtype), p["fc1"], dtype) + p["fc1_b"].astype(dtype)
     m = jax.nn.gelu(m)
-    h = h + (_matmul(m, p["fc2"]) + p["fc2_b"].astype(COMPUTE)).astype(jnp.float32)
-  logits = _matmul(_layernorm(h, params["ln_f"]), params["head"]).astype(jnp.float32)
+    h = h + (_matmul(m, p["fc2"], dtype) + p["fc2_b"].astype(dtype)).astype(jnp.float32)
+  logits = _matmul(_layernorm(h, params["ln_f"], dtype), params["head"], dtype).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -176,6 +189,7 @@ def transformer(name: str, label: str) -> Model:
     make_batch=lambda seed=1: lm_make_batch(seed),
     loss_fn=lm_loss_fn,
     config={"transformer": dict(LM), "batch": BATCH},
+    plain_loss_fn=lm_plain_loss_fn,
   )
 
 
@@ -192,6 +206,7 @@ def gpt(name: str, label: str, cfg: bench_gpt.GPTConfig) -> Model:
     loss_fn=lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, COMPUTE),
     config={"gpt": cfg._asdict(), "batch": cfg.batch, "optimizer": "adamw"},
     make_tx=lambda: optax.adamw(1e-4, weight_decay=0.1),
+    plain_loss_fn=lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32),
   )
 
 

@@ -151,6 +151,40 @@ def summary_lines(results: list[dict[str, Any]]) -> list[str]:
   return lines + [""]
 
 
+def autocast_lines(results: list[dict[str, Any]]) -> list[str]:
+  """``jls.autocast`` of the float32 model against the same step on the model cast by hand.
+
+  Empty (nothing rendered) unless some result has both ``jls_autocast`` and ``jax_lossscale``.
+  """
+  rows = []
+  for r in results:
+    v = r["variants"]
+    if not {"jls_autocast", "jax_lossscale"} <= set(v):
+      continue
+    a, h = v["jls_autocast"], v["jax_lossscale"]
+    step = statistics.median(x / y for x, y in zip(a["step_ms_all"], h["step_ms_all"]))
+    temp = (
+      f"{a['temp_bytes'] / h['temp_bytes']:.3f}" if "temp_bytes" in a and "temp_bytes" in h else "-"
+    )
+    rows.append(
+      f"| {r['label']} | {step:.3f} | {temp} | {a['lower_s'] / h['lower_s']:.2f} "
+      f"(+{a['lower_s'] - h['lower_s']:.2f} s) | {a['compile_s'] / h['compile_s']:.2f} |"
+    )
+  if not rows:
+    return []
+  return [
+    "`jls.autocast` of the float32 model against the same `dynamic_loss_scale` step on the "
+    "model cast by hand (`jls_autocast` / `jax_lossscale`): step time (median over rounds of "
+    "the paired ratio), temporary memory, trace+lower time (autocast traces the model twice: "
+    "once to a jaxpr, once through the policy) and XLA compile time.",
+    "",
+    "| model | step ratio | temp memory ratio | trace+lower ratio (extra) | compile ratio |",
+    "|---|---|---|---|---|",
+    *rows,
+    "",
+  ]
+
+
 def markdown(payload: dict[str, Any]) -> str:
   if payload.get("kind") == "gpu-large":
     return large_markdown(payload)
@@ -162,6 +196,7 @@ def markdown(payload: dict[str, Any]) -> str:
     _machine_line(info),
     "",
     *summary_lines(results),
+    *autocast_lines(results),
     "Full train step (forward + backward + Adam), float16 compute, float32 params, "
     f"batch {settings['batch']}, donated buffers. Median over {settings['rounds']} rounds "
     "(shuffled order) of the per-round step-time ratio to plain `optax.adam`; min..max in "

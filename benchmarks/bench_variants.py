@@ -39,18 +39,29 @@ class Spec(NamedTuple):
   build: Callable[..., Variant]  # (loss_fn, make_tx) -> Variant
   requires: tuple[str, ...]  # "module" or "module:attribute"
   peer: bool  # another library's loss scaling (the report compares against these)
+  plain: bool = False  # built on the model's float32 loss (plain_loss_fn), not the hand-cast one
 
 
 REGISTRY: dict[str, Spec] = {}
 
 
-def variant(name: str, label: str, *, requires: tuple[str, ...] = (), peer: bool = False):
-  """Registers the decorated ``build(loss_fn) -> Variant`` under ``name``."""
+def variant(
+  name: str,
+  label: str,
+  *,
+  requires: tuple[str, ...] = (),
+  peer: bool = False,
+  plain: bool = False,
+):
+  """Registers the decorated ``build(loss_fn) -> Variant`` under ``name``.
+
+  ``plain=True``: the builder gets the model's float32 loss (``plain_loss_fn``) instead.
+  """
 
   def register(build):
     if name in REGISTRY:
       raise ValueError(f"variant {name!r} is registered twice.")
-    REGISTRY[name] = Spec(name, label, build, tuple(requires), peer)
+    REGISTRY[name] = Spec(name, label, build, tuple(requires), peer, plain)
     return build
 
   return register
@@ -78,12 +89,24 @@ def adamw() -> optax.GradientTransformation:
 
 
 def make_variant(
-  name: str, loss_fn: Callable[..., Any], make_tx: Callable[[], Any] | None = None
+  name: str,
+  loss_fn: Callable[..., Any],
+  make_tx: Callable[[], Any] | None = None,
+  plain_loss_fn: Callable[..., Any] | None = None,
 ) -> Variant:
-  """Variant ``name`` of the step of ``loss_fn``, with ``make_tx()`` (default Adam) inside."""
+  """Variant ``name`` of the step of ``loss_fn``, with ``make_tx()`` (default Adam) inside.
+
+  A ``plain`` variant (autocast) is built on ``plain_loss_fn``, the same model written for
+  float32.
+  """
   if name not in REGISTRY:
     raise ValueError(f"variant must be one of {list(REGISTRY)}, got {name!r}.")
-  return REGISTRY[name].build(loss_fn, make_tx or adam)
+  spec = REGISTRY[name]
+  if spec.plain:
+    if plain_loss_fn is None:
+      raise ValueError(f"variant {name!r} needs the model's plain_loss_fn (float32 model).")
+    loss_fn = plain_loss_fn
+  return spec.build(loss_fn, make_tx or adam)
 
 
 def scaled_loss_fn(loss_fn, scale_state, x, y):
@@ -150,6 +173,21 @@ def jls_trainstate(loss_fn, make_tx):
     return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
 
   return Variant(init, step, lambda s: {"scale": float(s.dynamic_scale.scale)})
+
+
+@variant(
+  "jls_autocast",
+  "jax_lossscale.dynamic_loss_scale + jls.autocast (float32 model)",
+  requires=("jax_lossscale:autocast",),
+  plain=True,
+)
+def jls_autocast(plain_loss_fn, make_tx):
+  """The ``jax_lossscale`` step on ``jls.autocast`` of the float32 model (float16 compute).
+
+  The same step as ``jax_lossscale``, whose model is cast by hand: the pair measures what
+  autocast costs in trace (lower) time, step time and temporary memory.
+  """
+  return jax_lossscale(jls.autocast(plain_loss_fn, jnp.float16), make_tx)
 
 
 # ----------------------------------------------------------------------------- peers

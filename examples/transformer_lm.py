@@ -4,10 +4,20 @@ A template for transformer users (Flax linen). Mixed precision as PyTorch's
 autocast does it:
 
 * float32 master params (``param_dtype=float32``) and a float32 residual stream;
-* float16 matmuls (``dtype=float16`` on every ``nn.Dense``, the attention
-  einsums in float16);
+* float16 matmuls (the ``nn.Dense`` layers, the attention einsums);
 * softmax, layernorm statistics and the cross-entropy in float32 (see
   ``attention`` for what goes wrong with a float16 softmax).
+
+By default (``--cast autocast``) the float16 runs train ``jls.autocast`` of the model
+built for float32 (every ``dtype=`` float32), which makes those casts by torch's policy;
+``--cast hand`` trains the model's own ``dtype=float16`` casts instead. The forward logits
+are the same; the gradients differ in two places, and the losses agree to ~1e-5
+(``--smoke --compare``): ``nn.gelu`` (tanh form, written with ``x ** 3``) runs partly in
+float32 under autocast (``integer_pow`` is on torch's float32 list), and each bias is cast
+where the add consumes it, after its broadcast, so its gradient's sum over the batch runs
+in float32 (the hand-cast ``nn.Dense`` casts the bias first and sums in float16). The
+``check_underflow`` probes keep the hand casts: their perturbation taps must be added in
+float16.
 
 Linen rather than NNX because the params are a plain nested dict: the keys
 ``jls.diagnostics.grad_diagnostics`` logs (``layers_0/attn/qkv/kernel/headroom``) are the
@@ -157,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--init-scale", type=float, default=2.0**16, help="initial loss scale")
   p.add_argument("--growth-interval", type=int, default=2000, help="torch's default")
+  p.add_argument(
+    "--cast",
+    choices=("autocast", "hand"),
+    default="autocast",
+    help="how the float16 runs train: jls.autocast of the float32 model (default), or the "
+    "model's own dtype=float16 casts",
+  )
   p.add_argument("--json", default=None, help="write the results to this file")
   return p
 
@@ -197,10 +214,23 @@ def make_functions(args, train_tokens, dtype, scaled):
     seq = data[idx]
     return seq[:, :-1], seq[:, 1:]
 
+  # One float32 region, as torch's cross_entropy under autocast: JAX inlines log_softmax, and
+  # its max-subtraction would otherwise run in float16 under jls.autocast.
+  cross_entropy = jls.float32(optax.softmax_cross_entropy_with_integer_labels)
+
   def loss_fn(variables, batch, compute_dtype):
     x, y = batch
     logits = model.clone(dtype=compute_dtype).apply(variables, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return cross_entropy(logits, y).mean()
+
+  if dtype != jnp.float32 and args.cast == "autocast":
+    # The float32 model (every dtype= float32), with torch's autocast policy: the Dense and
+    # einsum matmuls in float16; softmax, layernorm statistics and the loss in float32.
+    train_loss = jls.autocast(lambda v, b: loss_fn(v, b, jnp.float32), dtype)
+  else:
+
+    def train_loss(v, b):
+      return loss_fn(v, b, dtype)
 
   def step(carry, i):
     params, opt_state = carry
@@ -208,7 +238,7 @@ def make_functions(args, train_tokens, dtype, scaled):
     scale_state = jls.get_scale_state(opt_state)
 
     def scaled_loss(p):
-      loss = loss_fn({"params": p}, batch, dtype)
+      loss = train_loss({"params": p}, batch)
       return jls.scale_loss(loss, opt_state), loss
 
     grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
@@ -236,7 +266,11 @@ def make_functions(args, train_tokens, dtype, scaled):
 
 
 def check_at(loss_fn, get_batch, model, params, step, scale):
-  """``jls.diagnostics.check_underflow`` of one batch, params and activations (perturbations)."""
+  """``jls.diagnostics.check_underflow`` of one batch, params and activations (perturbations).
+
+  The perturbation taps need the model's own float16 casts (``loss_fn``'s dtype): under
+  autocast a float32 tap would promote the activation it taps to float32.
+  """
   batch = get_batch(step)
   perturb = model.init(jax.random.key(0), batch[0])["perturbations"]
   variables = {"params": params, "perturbations": perturb}

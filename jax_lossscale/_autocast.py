@@ -28,6 +28,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 import functools
 from typing import Any
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -726,6 +727,20 @@ def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
   return jitted(*[leaves[i] for i in dyn_idx])
 
 
+class AutocastSpec(NamedTuple):
+  """What an :func:`autocast` function was built from (its ``autocast_spec`` attribute).
+
+  Attributes:
+    fun: the function as written (the float32 model).
+    dtype: the lower-precision dtype.
+    policy: the overrides given, or ``None``.
+  """
+
+  fun: Callable[..., Any]
+  dtype: np.dtype
+  policy: Mapping[Any, str] | None
+
+
 def autocast(
   fun: Callable[..., Any],
   dtype: DTypeLike = jnp.float16,
@@ -756,7 +771,10 @@ def autocast(
 
   Returns:
     A function with ``fun``'s arguments that returns ``fun``'s outputs, computed under
-    the policy (a float16 matmul returns float16, a float32 loss float32).
+    the policy (a float16 matmul returns float16, a float32 loss float32). Its
+    ``autocast_spec`` attribute records ``(fun, dtype, policy)``, so tools such as
+    :func:`jax_lossscale.diagnostics.check_underflow` can run the same model in float32
+    or in another half dtype.
 
   Raises:
     TypeError: ``fun`` is not callable, or ``policy`` is not a mapping.
@@ -803,7 +821,14 @@ def autocast(
   def wrapped(*args, **kwargs):
     return _jit_arrays(run, mark, cache, args, kwargs)
 
+  wrapped.autocast_spec = AutocastSpec(fun, dt, policy)  # type: ignore[attr-defined]
   return wrapped
+
+
+def autocast_spec(fun: Any) -> AutocastSpec | None:
+  """The :class:`AutocastSpec` of an :func:`autocast` function, or ``None`` for any other."""
+  spec = getattr(fun, "autocast_spec", None)
+  return spec if isinstance(spec, AutocastSpec) else None
 
 
 def float32(fun: Callable) -> Callable:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale._autocast import autocast
+from jax_lossscale._autocast import autocast_spec
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import unscale_and_check
@@ -410,13 +412,29 @@ class UnderflowReport(NamedTuple):
     return "\n".join(lines)
 
 
+def _dtype_parameterized(loss_fn: Callable, half_dtype: Any) -> tuple[Callable, Any]:
+  """``loss_fn(params, batch, dtype)`` for an autocast function of ``(params, batch)``."""
+  spec = autocast_spec(loss_fn)
+  if spec is None:
+    return loss_fn, jnp.float16 if half_dtype is None else half_dtype
+  if half_dtype is None:
+    half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
+
+  def with_dtype(params, batch, dtype):
+    if np.dtype(dtype) == np.float32:
+      return spec.fun(params, batch)
+    return autocast(spec.fun, dtype, spec.policy)(params, batch)
+
+  return with_dtype, half_dtype
+
+
 def check_underflow(
   loss_fn: Callable[..., ArrayLike],
   params: optax.Params,
   batch: PyTree,
   *,
   scale: ScaleLike = 2.0**16,
-  half_dtype: DTypeLike = jnp.float16,
+  half_dtype: DTypeLike | None = None,
   activations: PyTree | None = None,
 ) -> UnderflowReport:
   """A one-off check of one batch: does float16 flush this model's gradients to zero?
@@ -447,6 +465,16 @@ def check_underflow(
   judges parameter and activation gradients separately and says what it
   looked at.
 
+  **An autocast function needs no dtype parameter.** Pass ``jls.autocast(f)``
+  itself (not a ``jax.jit`` of it) as ``loss_fn``, with ``f(params, batch)``
+  (with ``activations``: ``f(params, batch, taps)``) written for float32: the
+  half backwards run ``jls.autocast(f, half_dtype, policy)`` with the autocast
+  function's policy (and its dtype when ``half_dtype`` is not given), and the
+  reference runs ``f`` itself in float32. Activation taps are refused with an
+  autocast function: a full-size float32 tap added to a float16 activation
+  promotes it to float32 (torch's rule), so the tap would measure a float32
+  gradient; tap activations with the ``dtype``-parameterized form.
+
   It is a pure function of arrays (fine under ``jax.jit``; build the jitted
   function once and reuse it to check several batches or points in
   training). The result's host methods give the per-leaf shares
@@ -455,14 +483,16 @@ def check_underflow(
   Args:
     loss_fn: ``loss_fn(params, batch, dtype) -> scalar loss`` (with
       ``activations``: ``loss_fn(params, batch, dtype, taps)``), running the
-      model's half-precision compute (matmuls, activations) in ``dtype``.
+      model's half-precision compute (matmuls, activations) in ``dtype``; or
+      an :func:`jax_lossscale.autocast` function of ``(params, batch)``.
     params: the parameters (float32 master params, or half params).
     batch: anything ``loss_fn`` takes as its batch.
     scale: the loss scale of the scaled backward (default torch's 2**16;
       pass the scaler's current scale, or the optimizer state, to check a
       point in training).
-    half_dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``: the dtype of
-      both half-precision backwards (unscaled and scaled).
+    half_dtype: ``jnp.float16`` or ``jnp.bfloat16``: the dtype of both
+      half-precision backwards (unscaled and scaled). Default: an autocast
+      ``loss_fn``'s own dtype (float16 if that is float32), else float16.
     activations: optional pytree of activation taps (zeros of each
       activation's shape; the values are ignored, float32 zeros are used).
 
@@ -471,7 +501,8 @@ def check_underflow(
 
   Raises:
     ValueError: if ``params`` already has a top-level ``"activations"`` key
-      and ``activations`` is given too.
+      and ``activations`` is given too; or taps (``activations`` or Flax
+      ``"perturbations"``) with an autocast ``loss_fn``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -498,8 +529,24 @@ def check_underflow(
     [('activations/logits', 0.5), ('w', 0.0)]
     >>> r.needs_loss_scaling()
     True
+
+    An autocast function, no dtype parameter:
+
+    >>> import jax_lossscale as jls
+    >>> amp = jls.autocast(lambda p, batch: 1e-9 * jnp.sum(batch @ p["w"]))
+    >>> check_underflow(amp, {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))).fractions(scaled=True)
+    {'w': 0.0}
   """
   scale = _scale_of(scale)
+  if autocast_spec(loss_fn) is not None and (
+    activations is not None or (isinstance(params, Mapping) and "perturbations" in params)
+  ):
+    raise ValueError(
+      "activations: taps need a dtype-parameterized loss_fn(params, batch, dtype, taps). Under "
+      "an autocast loss_fn a float32 tap added to a float16 activation promotes it to float32 "
+      "(torch's rule), so the tap would measure a float32 gradient, not the float16 one."
+    )
+  loss_fn, half_dtype = _dtype_parameterized(loss_fn, half_dtype)
   tapped = activations is not None
   if tapped:
     if isinstance(params, Mapping) and "activations" in params:

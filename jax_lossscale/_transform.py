@@ -28,8 +28,10 @@ from jax_lossscale._state import DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._state import check_init_scale
 from jax_lossscale._state import get_scale_state
-from jax_lossscale._typing import ArrayLike
+from jax_lossscale._state import is_scale_state
+from jax_lossscale._state import scale_states
 from jax_lossscale._typing import AxisName
+from jax_lossscale._typing import PyTree
 from jax_lossscale._typing import ScaleLike
 
 
@@ -308,20 +310,61 @@ def inner_state(opt_state: optax.OptState) -> optax.OptState:
   return found[0].inner_state
 
 
-def scale_loss(loss: ArrayLike, state: ScaleLike) -> jax.Array:
+def _scale_one(path: str, loss: Any, scale: jax.Array) -> jax.Array:
+  """One float leaf of a loss tree times the scale, in at least float32."""
+  loss = jnp.asarray(loss)
+  if not is_float(loss):
+    where = f" (at loss{path})" if path else ""
+    raise ValueError(
+      f"loss must be a floating-point array, got dtype {loss.dtype}{where}. Scale only the "
+      "float losses; keep counts, masks and other integer outputs out of scale_loss."
+    )
+  dt = compute_dtype(loss.dtype)
+  return loss.astype(dt) * scale.astype(dt)
+
+
+def _the_scale(state: ScaleLike) -> jax.Array:
+  """The scale of the one loss scaler in ``state``, with a pointed error for several."""
+  found = scale_states(state) if not is_scale_state(state) else [("", state)]
+  if len(found) > 1:
+    raise ValueError(
+      f"state holds {len(found)} loss scalers (at "
+      f"{', '.join(p or '<root>' for p, _ in found)}): scale_loss cannot tell which scale "
+      "the gradients will be unscaled by. For several param groups or optimizers that "
+      "share one scale (torch's scaler.step(opt0); scaler.step(opt1); scaler.update()), "
+      "wrap them all in ONE dynamic_loss_scale(optax.multi_transform(...)) or "
+      "optax.partition; for scalers that are really separate, pass the sub-state of the "
+      "one whose gradients this loss produces."
+    )
+  return get_scale_state(state).scale
+
+
+def scale_loss(loss: PyTree, state: ScaleLike) -> PyTree:
   """The loss multiplied by the current scale, in at least float32.
 
   A float16 loss is promoted to float32 first, so ``loss * 65536`` cannot
   overflow through weak typing; the gradients of the result are the scaled
   gradients :func:`dynamic_loss_scale` expects.
 
+  Like torch's ``scaler.scale(outputs)``, ``loss`` may be any pytree of
+  losses (a tuple of a generator's and a discriminator's loss, a list of
+  heads): every leaf is scaled by the same scale with the single-loss rule
+  above, and the tree comes back with the same structure. Every leaf must be
+  floating-point.
+
   Args:
-    loss: scalar (or array) loss.
-    state: a :class:`DynamicScaleState`, or any tree containing one (an
-      optimizer state, a train state).
+    loss: scalar (or array) loss, or a pytree of them.
+    state: a :class:`DynamicScaleState`, or any tree containing exactly one
+      (an optimizer state, a train state).
 
   Returns:
-    ``loss * scale`` in ``promote_types(loss.dtype, float32)``.
+    ``loss * scale`` in ``promote_types(loss.dtype, float32)``, leaf by leaf
+    for a tree.
+
+  Raises:
+    ValueError: for a non-float leaf (naming where it sits), or a ``state``
+      holding no loss scaler or more than one (several wrappers inside one
+      ``multi_transform``: use one wrapper over it).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -329,11 +372,13 @@ def scale_loss(loss: ArrayLike, state: ScaleLike) -> jax.Array:
     >>> s = jls.DynamicScaleState.create()
     >>> jls.scale_loss(jnp.float16(2.0), s)   # 2 * 65536 > float16 max
     Array(131072., dtype=float32)
+    >>> jls.scale_loss((jnp.float32(1.0), [jnp.float16(0.5)]), s)
+    (Array(65536., dtype=float32), [Array(32768., dtype=float32)])
   """
   check_accumulation(state)
-  scale = get_scale_state(state).scale
-  loss = jnp.asarray(loss)
-  if not is_float(loss):
-    raise ValueError(f"loss must be a floating-point array, got dtype {loss.dtype}.")
-  dt = compute_dtype(loss.dtype)
-  return loss.astype(dt) * scale.astype(dt)
+  scale = _the_scale(state)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(loss)
+  if not leaves:
+    raise ValueError(f"loss must hold at least one float array, got {loss!r}.")
+  out = [_scale_one(jax.tree_util.keystr(p), x, scale) for p, x in leaves]
+  return jax.tree_util.tree_unflatten(treedef, out)

@@ -34,6 +34,7 @@ TINY = {
     lambda seed=1: bench_models.mlp_make_batch(WIDTHS, seed),
     bench_models.mlp_loss_fn,
     {"widths": WIDTHS},
+    plain_loss_fn=bench_models.mlp_plain_loss_fn,
   ),
   "transformer": bench_models.Model(
     "tiny-lm",
@@ -42,6 +43,7 @@ TINY = {
     lambda seed=1: bench_models.lm_make_batch(seed, **TINY_LM),
     bench_models.lm_loss_fn,
     {"transformer": TINY_LM},
+    plain_loss_fn=bench_models.lm_plain_loss_fn,
   ),
   "gpt": bench_models.gpt("tiny-gpt", "tiny GPT (AdamW)", bench_gpt.TINY_GPT),
 }
@@ -165,14 +167,22 @@ def test_large_benchmark_runs_tiny_and_renders(tmp_path):
   spec = importlib.util.spec_from_file_location("bench_large", os.path.join(_DIR, "bench_large.py"))
   large = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(large)
-  names = ["float16", "dynamic_loss_scale", "bfloat16", "torch_eager", "torch_compile"]
+  names = ["float16", "dynamic_loss_scale", "bfloat16", "autocast_dynamic_loss_scale"]
+  names += ["torch_eager", "torch_compile"]
   with standard_promotion():
     large.main(
       ["--tiny", "--out", str(tmp_path), "--name", "t", "--rounds", "2", "--variants", *names]
     )
   payload = json.loads((tmp_path / "t.json").read_text())
   results = payload["results"]
-  assert set(results) == {"float16", "dynamic_loss_scale", "bfloat16", "torch_eager"}
+  assert set(results) == {
+    "float16",
+    "dynamic_loss_scale",
+    "bfloat16",
+    "autocast_dynamic_loss_scale",
+    "torch_eager",
+  }
+  assert results["autocast_dynamic_loss_scale"]["final"]["skipped_steps"] == 0
   assert "off-GPU" in payload["skipped"]["torch_compile"]
   assert results["float16"]["ratio_median"] == 1.0
   assert results["dynamic_loss_scale"]["final"]["skipped_steps"] == 0
