@@ -167,3 +167,20 @@ def calibrated_iterations(x, seconds=1.0):
   _slow_batch(x, n).block_until_ready()
   dt = max(time.perf_counter() - t0, 1e-4)
   return int(min(max(n * seconds / dt, 64), 1_000_000))
+
+
+@pytest.fixture
+def fresh_warnings():
+  """The once-per-process LossScaleWarnings armed again for one test, then restored.
+
+  A test that triggers such a warning must not depend on whether an earlier test already
+  fired it (it would fail alone and pass in the suite, or the reverse): it takes this
+  fixture and asserts the warning with ``pytest.warns``.
+  """
+  from jax_lossscale import _signals
+
+  saved = set(_signals._WARNED)
+  _signals._WARNED.clear()
+  yield
+  _signals._WARNED.clear()
+  _signals._WARNED.update(saved)

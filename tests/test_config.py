@@ -280,15 +280,6 @@ def test_inner_state_refuses_several_loss_scale_states():
 # ----------------------------------------------------------------------------- warnings
 
 
-@pytest.fixture
-def fresh_warnings():
-  saved = set(_signals._WARNED)
-  _signals._WARNED.clear()
-  yield
-  _signals._WARNED.clear()
-  _signals._WARNED.update(saved)
-
-
 def test_bfloat16_gradients_warn_once_towards_no_loss_scale(fresh_warnings):
   params = {"w": jnp.ones(2, jnp.bfloat16)}
   tx = jls.dynamic_loss_scale(optax.sgd(0.1))

@@ -203,14 +203,20 @@ def test_extra_args_pass_through_to_inner():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-def test_dtypes_of_updates_inner_state_and_unscaled(dtype, maybe_jit, adam_promotion):
+def test_dtypes_of_updates_inner_state_and_unscaled(
+  dtype, maybe_jit, adam_promotion, fresh_warnings
+):
   params = {"w": jnp.ones(3, dtype)}
   tx = jls.dynamic_loss_scale(optax.adam(1e-1), init_scale=2.0**10)
   state = tx.init(params)
   # The inner transformation sees float32 (its state is float32).
   assert state.inner_state[0].mu["w"].dtype == jnp.float32
   grads = {"w": jnp.full(3, 2.0**-5 * 2.0**10, dtype)}
-  updates, state = maybe_jit(tx.update)(grads, state, params)
+  if dtype == jnp.bfloat16:  # bfloat16 gradients alone: the no_loss_scale hint, every time
+    with pytest.warns(jls.LossScaleWarning, match="no_loss_scale"):
+      updates, state = maybe_jit(tx.update)(grads, state, params)
+  else:
+    updates, state = maybe_jit(tx.update)(grads, state, params)
   assert updates["w"].dtype == dtype
   assert state.inner_state[0].mu["w"].dtype == jnp.float32
   unscaled, _ = jls.unscale_and_check(grads, state.loss_scale)
