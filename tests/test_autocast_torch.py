@@ -152,3 +152,71 @@ def test_flax_dense_and_conv_match_torch_linear_and_conv2d(layer):
   np.testing.assert_allclose(
     np.asarray(ours, np.float32), theirs.float().numpy(), rtol=2e-3, atol=2e-3
   )
+
+
+def torch_plain_layers(T, tokens, labels):
+  """The same block written for float32, with no casts: for ``torch.autocast("cuda")``."""
+  d = T["ln1_g"].shape[0]
+  out = {}
+  x = out["embedding"] = F.embedding(tokens, T["emb"])
+  h = out["ln1"] = F.layer_norm(x, (d,), T["ln1_g"], T["ln1_b"], 1e-5)
+  qkv = out["qkv_linear"] = F.linear(h, T["wqkv"].T, T["bqkv"])
+  q, k, v = qkv.split(d, dim=-1)
+  s = out["scores_matmul"] = torch.matmul(q, k.T) / math.sqrt(d)
+  s = s.masked_fill(~torch.tril(torch.ones(s.shape, dtype=torch.bool, device=s.device)), -1e4)
+  a = out["softmax"] = torch.softmax(s, dim=-1)
+  o = out["attn_matmul"] = torch.matmul(a, v)
+  o = out["out_linear"] = F.linear(o, T["wo"].T, T["bo"])
+  x = out["residual1"] = x + o
+  h = out["ln2"] = F.layer_norm(x, (d,), T["ln2_g"], T["ln2_b"], 1e-5)
+  m = out["fc1_linear"] = F.linear(h, T["w1"].T, T["b1"])
+  m = out["gelu"] = F.gelu(m)
+  m = out["fc2_linear"] = F.linear(m, T["w2"].T, T["b2"])
+  x = out["residual2"] = x + m
+  logits = out["logits_linear"] = F.linear(x, T["wout"].T)
+  out["cross_entropy"] = F.cross_entropy(logits, labels)
+  return out
+
+
+@pytest.mark.gpu
+def test_transformer_block_matches_torch_cuda_autocast_layer_by_layer():
+  """On a CUDA machine (``make gpu-check``): the real ``torch.autocast("cuda")``, not the
+  emulation, gives every layer the dtype of the transcribed table, and autocast's values
+  agree within the tolerance above. cuBLAS's reduced-precision float16 reduction is turned
+  off so that both sides accumulate in float32."""
+  if not torch.cuda.is_available():
+    pytest.skip("torch has no CUDA device")
+  p = transformer_params()
+  tokens, labels = _tokens()
+  ours = jax.jit(autocast(transformer_layers))(p, tokens, labels)
+  T = {k: _t(v).cuda() for k, v in p.items()}
+  saved = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+  torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+  try:
+    with torch.autocast("cuda", dtype=torch.float16):
+      theirs = torch_plain_layers(T, _t(tokens).long().cuda(), _t(labels).long().cuda())
+  finally:
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved
+  assert sorted(ours) == sorted(theirs)
+  for name in ours:
+    assert _TORCH_TO_NP[theirs[name].dtype] == TORCH_CUDA_LAYER_DTYPES[name], name
+    assert np.dtype(ours[name].dtype) == TORCH_CUDA_LAYER_DTYPES[name], name
+    a = np.asarray(ours[name].astype(jnp.float32))
+    b = theirs[name].float().cpu().numpy()
+    np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name)
+
+
+def test_the_plain_torch_block_is_the_jax_block_in_float32():
+  # The reference of the CUDA test above, checked where it can be: without autocast,
+  # on CPU, it computes what transformer_layers computes in float32.
+  p = transformer_params()
+  tokens, labels = _tokens()
+  ours = jax.jit(transformer_layers)(p, tokens, labels)
+  T = {k: _t(v) for k, v in p.items()}
+  theirs = torch_plain_layers(T, _t(tokens).long(), _t(labels).long())
+  assert sorted(ours) == sorted(theirs)
+  for name in ours:
+    assert theirs[name].dtype == torch.float32, name
+    np.testing.assert_allclose(
+      np.asarray(ours[name]), theirs[name].numpy(), rtol=1e-4, atol=1e-5, err_msg=name
+    )
