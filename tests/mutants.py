@@ -970,6 +970,25 @@ EQUIVALENT: dict[str, str] = {
     "rounds to the same float32"
   ),
   "_product:200:cmp-strict": "as _product:196:cmp-strict (the same long division, later bits)",
+  # _autocast
+  "_autocast:329:if-false": (
+    "with fewer than two float operands every declared-dtype group has one member, so the "
+    "loop below skips each (len(current) < 2) and returns the operands unchanged: a fast path"
+  ),
+  "_autocast:358:if-false": (
+    "a var is flagged lower-precision only when it holds self.dtype (first_order clears a "
+    "single result's flag otherwise; LOWER casts every float operand to self.dtype), so two "
+    "flagged operands of one group share one current dtype and "
+    "promote() returns before _bias_target (len(current) < 2)"
+  ),
+  "_autocast:715:drop-kwarg:strict": (
+    "dyn is always the arrays at dyn_idx (jitted(*[leaves[i] for i in dyn_idx])): the same "
+    "length, so strict never fires"
+  ),
+  "_autocast:808:drop-kwarg:strict": (
+    "dyn is always [leaves[i] for i in dyn_idx] (make_jaxpr(flat_fun)(*dyn)): the same "
+    "length, so strict never fires"
+  ),
 }
 
 
@@ -994,4 +1013,11 @@ PINNED: dict[str, tuple[str, ...]] = {
     "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
   "_rule:18:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+  # _autocast
+  "_autocast:277:cmp-negate": (
+    "tests/test_autocast.py::test_higher_order_bodies_are_cast_and_gradients_are_right[remat]",
+  ),
+  "_autocast:277:if-false": (
+    "tests/test_autocast.py::test_higher_order_bodies_are_cast_and_gradients_are_right[remat]",
+  ),
 }

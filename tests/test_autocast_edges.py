@@ -1,0 +1,97 @@
+"""Edge cases of autocast's promotion and dispatch (found by mutation testing)."""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from jax_lossscale import _autocast
+from jax_lossscale._autocast import AutocastError
+from jax_lossscale._autocast import autocast
+
+F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+
+
+def _rand(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def test_float16_plus_bfloat16_promotes_to_float32():
+  # bf16 @ bf16 runs in float16; adding a bfloat16 matrix (not a bias) promotes as torch
+  # does: float16 with bfloat16 is float32.
+  a, b, c = _rand(0, (3, 4), BF16), _rand(1, (4, 5), BF16), _rand(2, (3, 5), BF16)
+  out = autocast(lambda a, b, c: a @ b + c)(a, b, c)
+  assert out.dtype == F32
+  ref = (a.astype(F16) @ b.astype(F16)).astype(F32) + c.astype(F32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_bias_added_after_a_transpose_stays_float16():
+  # einsum emits a dot_general and then a transpose: the transposed float16 product is
+  # still the contraction's result, and the bias added onto it keeps it float16.
+  w, x, b = _rand(0, (3, 4)), _rand(1, (2, 4, 5)), _rand(2, (5,))
+  f = lambda w, x, b: jnp.einsum("ij,bjk->bik", w, x) + b
+  prims = {e.primitive.name for e in jax.make_jaxpr(f)(w, x, b).jaxpr.eqns}
+  assert "transpose" in prims
+  out = autocast(f)(w, x, b)
+  assert out.dtype == F16 and out.shape == (2, 3, 5)
+  ref = jnp.einsum("ij,bjk->bik", w.astype(F16), x.astype(F16)) + b.astype(F16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_subtracting_a_vector_from_a_matmul_promotes_to_float32():
+  # Only an `add` is a bias: `x @ w - b` promotes as torch's sub does.
+  x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,))
+  out = autocast(lambda x, w, b: x @ w - b)(x, w, b)
+  assert out.dtype == F32
+  ref = (x.astype(F16) @ w.astype(F16)).astype(F32) - b
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_weakly_typed_scalar_does_not_promote_a_zero_dim_float16_tensor():
+  # torch: a zero-dim float16 tensor plus a Python float stays float16. The scalar reaches
+  # the add as a weakly typed jit argument (lax.add keeps its weak type).
+  x, w = _rand(0, (4,)), _rand(1, (4,))
+  inner = jax.jit(lambda d, s: lax.add(d, s))
+  f = lambda x, w: inner(jnp.dot(x, w), 2.5)
+  inner_jaxpr = jax.make_jaxpr(f)(x, w).jaxpr.eqns[-1].params["jaxpr"].jaxpr
+  assert [v.aval.weak_type for v in inner_jaxpr.invars] == [False, True]
+  out = autocast(f)(x, w)
+  assert out.dtype == F16 and out.shape == ()
+  ref = jnp.dot(x.astype(F16), w.astype(F16)) + jnp.float16(2.5)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_handler_missing_a_parameter_raises_naming_it(monkeypatch):
+  # A jax version whose higher-order primitive lacks a parameter the handler reads.
+  def handler(interp, eqn, invals):
+    return eqn.params["no_such_param"]
+
+  monkeypatch.setitem(_autocast._HANDLERS, "cond", handler)
+  f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
+  with pytest.raises(AutocastError, match="its parameter 'no_such_param' is missing"):
+    autocast(f)(True, jnp.ones(3))
+
+
+def test_shard_map_blocks_follow_the_declared_in_specs():
+  # The input is not sharded: only the declared in_specs split it into per-device blocks.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  x = jnp.arange(8.0, dtype=jnp.float32)
+  w = _rand(0, (1, 1))
+
+  def f(x, w):
+    body = jax.shard_map(
+      lambda a, w: (a[:, None] @ w)[:, 0] * lax.axis_index("d").astype(jnp.float32),
+      mesh=mesh,
+      in_specs=(P("d"), P()),
+      out_specs=P("d"),
+    )
+    return body(x, w)
+
+  out = autocast(f)(x, w)
+  assert out.dtype == F16 and out.shape == (8,)
+  ref = (x.astype(F16) * w[0, 0].astype(F16)) * jnp.arange(8.0, dtype=F16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
