@@ -994,4 +994,14 @@ PINNED: dict[str, tuple[str, ...]] = {
     "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
   "_rule:18:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+  # misc
+  "_signals:43:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
+  "_transform:122:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
+  "_state:204:drop-kwarg:dynamic": (
+    "tests/test_survivors_misc.py::test_create_passes_dynamic_false_to_the_config",
+  ),
+  "_transform:55:if-false": (
+    "tests/test_survivors_misc.py"
+    "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
+  ),
 }

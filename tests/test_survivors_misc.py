@@ -92,3 +92,11 @@ def test_create_passes_subclass_fields_through():
     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), extra=7
   )
   assert state.extra == 7
+
+
+def test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype():
+  params = {"w": jnp.ones(2, jnp.float32)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  updates, _ = tx.update({"w": jnp.full(2, 4.0, jnp.float16)}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["w"], np.full(2, -0.5, np.float32))
