@@ -377,7 +377,7 @@ class UnderflowReport(NamedTuple):
     fr = self.fractions()
     scale = float(self.scale)
     exp = math.log2(scale) if scale > 0 else float("nan")
-    scale_txt = f"2^{exp:.0f}" if exp == round(exp) else f"{scale:g}"
+    scale_txt = f"2^{exp:.0f}" if math.isfinite(exp) and exp == round(exp) else f"{scale:g}"
     parts = []
     for group, names in self.looked_at().items():
       if not names:

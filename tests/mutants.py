@@ -1020,4 +1020,14 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_autocast:277:if-false": (
     "tests/test_autocast.py::test_higher_order_bodies_are_cast_and_gradients_are_right[remat]",
   ),
+  # misc
+  "_signals:43:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
+  "_transform:122:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
+  "_state:204:drop-kwarg:dynamic": (
+    "tests/test_survivors_misc.py::test_create_passes_dynamic_false_to_the_config",
+  ),
+  "_transform:55:if-false": (
+    "tests/test_survivors_misc.py"
+    "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
+  ),
 }
