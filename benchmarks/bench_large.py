@@ -98,6 +98,33 @@ class Built(NamedTuple):
 # ----------------------------------------------------------------------------- JAX
 
 
+def _scaled_variant(wrap, make_loss):
+  """A variant maker: AdamW inside ``wrap`` (a jax_lossscale scaler), trained on the loss
+  ``make_loss()`` builds (the hand-cast model or autocast of the float32 one)."""
+
+  def make():
+    tx, f = wrap(adamw()), make_loss()
+
+    def step(state, x, y):
+      params, opt_state = state
+
+      def scaled(p):
+        value = f(p, x, y)
+        return jls.scale_loss(value, opt_state), value
+
+      grads, value = jax.grad(scaled, has_aux=True)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), value
+
+    def notes(state):
+      s = jls.get_scale_state(state[1])
+      return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
+
+    return (lambda p: (p, tx.init(p))), step, notes
+
+  return make
+
+
 def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[[], Any]]]:
   """name -> (label, make() -> (init(params) -> state, step(state, x, y) -> (state, loss)))."""
 
@@ -120,27 +147,7 @@ def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[
     return make
 
   def wrapped(dtype, wrap):
-    def make():
-      tx, f = wrap(adamw()), loss(dtype)
-
-      def step(state, x, y):
-        params, opt_state = state
-
-        def scaled(p):
-          value = f(p, x, y)
-          return jls.scale_loss(value, opt_state), value
-
-        grads, value = jax.grad(scaled, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
-      def notes(state):
-        s = jls.get_scale_state(state[1])
-        return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
-
-      return (lambda p: (p, tx.init(p))), step, notes
-
-    return make
+    return _scaled_variant(wrap, lambda: loss(dtype))
 
   def trainstate():
     from jax_lossscale import flax as jls_flax
@@ -209,27 +216,7 @@ def autocast_variants(cfg: GPTConfig) -> dict[str, tuple[str, Callable[[], Any]]
   float32_model = lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32, "xla")
 
   def make_for(dtype, wrap):
-    def make():
-      tx, f = wrap(adamw()), jls.autocast(float32_model, dtype)
-
-      def step(state, x, y):
-        params, opt_state = state
-
-        def scaled(p):
-          value = f(p, x, y)
-          return jls.scale_loss(value, opt_state), value
-
-        grads, value = jax.grad(scaled, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
-      def notes(state):
-        s = jls.get_scale_state(state[1])
-        return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
-
-      return (lambda p: (p, tx.init(p))), step, notes
-
-    return make
+    return _scaled_variant(wrap, lambda: jls.autocast(float32_model, dtype))
 
   dls = lambda tx: jls.dynamic_loss_scale(tx, init_scale=INIT_SCALE)
   return {
