@@ -21,9 +21,14 @@ code, no docstrings, nothing inside an error message, a warning or a
   a conditional expression replaced by ``True`` or ``False``): a fallback
   taken, or never taken.
 
-Each mutant is named ``module:line:operator`` (``_state:120:cmp-strict``; a
-second one of the same name on that line gets ``#2``), deterministically:
-the same source gives the same mutants in the same order. A mutant is a byte
+Each mutant is named ``module:function:operator:hash``
+(``_state:DynamicScaleConfig.__post_init__:cmp-strict:3f2a``): the qualified
+name of the function it sits in, the operator, and four hex digits of a hash
+of the snippet and its replacement; a second one of the same name gets
+``#2``. No line number: a name stays the same when code above it moves, so
+``EQUIVALENT`` and ``PINNED`` in ``tests/mutants.py`` stay valid until the
+mutated snippet itself changes. The same source gives the same mutants in
+the same order. A mutant is a byte
 range of the file and its replacement; the replacement keeps the line count
 (a multi-line node is replaced by parenthesised text padded with newlines),
 so coverage line numbers stay valid for every other line.
@@ -129,7 +134,8 @@ class _Sites(ast.NodeVisitor):
   """Collects (node, operator, replacement node or text) inside function bodies."""
 
   def __init__(self):
-    self.sites: list[tuple[ast.AST, str, object]] = []
+    self.sites: list[tuple[ast.AST, str, object, str]] = []  # node, operator, new, qualname
+    self._scope: list[str] = []  # the enclosing classes and functions
     self._depth = 0  # inside a function
     self._quiet = 0  # inside a raise, an f-string, a message call, an assert
     self._guard = 0  # inside the condition of an ``if ...: raise``
@@ -139,17 +145,30 @@ class _Sites(ast.NodeVisitor):
     self.generic_visit(node)
     self._quiet -= 1
 
+  def _site(self, node, operator, new):
+    self.sites.append((node, operator, new, ".".join(self._scope)))
+
+  def visit_ClassDef(self, node):
+    self._scope.append(node.name)
+    for stmt in node.body:
+      self.visit(stmt)
+    self._scope.pop()
+
   def visit_FunctionDef(self, node):
     self._depth += 1
+    self._scope.append(node.name)
     for stmt in node.body:  # not the decorators, the defaults or the annotations
       self.visit(stmt)
+    self._scope.pop()
     self._depth -= 1
 
   visit_AsyncFunctionDef = visit_FunctionDef
 
   def visit_Lambda(self, node):
     self._depth += 1
+    self._scope.append("<lambda>")
     self.visit(node.body)
+    self._scope.pop()
     self._depth -= 1
 
   def _active(self):
@@ -157,7 +176,7 @@ class _Sites(ast.NodeVisitor):
 
   def visit_Raise(self, node):
     if self._active():
-      self.sites.append((node, "raise-to-pass", "pass"))
+      self._site(node, "raise-to-pass", "pass")
     self._mute(node)
 
   def visit_Assert(self, node):
@@ -183,14 +202,14 @@ class _Sites(ast.NodeVisitor):
         self.visit(stmt)
       return
     if self._active() and not isinstance(node.test, ast.Constant):
-      self.sites.append((node.test, "if-true", "True"))
-      self.sites.append((node.test, "if-false", "False"))
+      self._site(node.test, "if-true", "True")
+      self._site(node.test, "if-false", "False")
     self.generic_visit(node)
 
   def visit_IfExp(self, node):
     if self._active() and not isinstance(node.test, ast.Constant):
-      self.sites.append((node.test, "if-true", "True"))
-      self.sites.append((node.test, "if-false", "False"))
+      self._site(node.test, "if-true", "True")
+      self._site(node.test, "if-false", "False")
     self.generic_visit(node)
 
   def visit_Compare(self, node):
@@ -199,12 +218,12 @@ class _Sites(ast.NodeVisitor):
         suffix = "" if len(node.ops) == 1 else f"@{i}"
         if len(node.ops) == 1 and type(op) in _NEGATE and not self._guard:
           new = ast.Compare(node.left, [_NEGATE[type(op)]()], node.comparators)
-          self.sites.append((node, "cmp-negate", new))
+          self._site(node, "cmp-negate", new)
         if type(op) in _BOUNDARY:
           ops = list(node.ops)
           ops[i] = _BOUNDARY[type(op)]()
           kind = "cmp-strict" if type(op) in (ast.LtE, ast.GtE) else "cmp-nonstrict"
-          self.sites.append((node, kind + suffix, ast.Compare(node.left, ops, node.comparators)))
+          self._site(node, kind + suffix, ast.Compare(node.left, ops, node.comparators))
     self.generic_visit(node)
 
   def visit_Call(self, node):
@@ -216,21 +235,21 @@ class _Sites(ast.NodeVisitor):
       for i, kw in enumerate(node.keywords):
         rest = node.keywords[:i] + node.keywords[i + 1 :]
         label = kw.arg if kw.arg is not None else "**"
-        self.sites.append((node, f"drop-kwarg:{label}", ast.Call(node.func, node.args, rest)))
+        self._site(node, f"drop-kwarg:{label}", ast.Call(node.func, node.args, rest))
       n_pos = len(node.args)
       if name in _BOUNDS and n_pos >= 2 and not node.keywords:
-        self.sites.append((node, "no-bound", node.args[0]))
+        self._site(node, "no-bound", node.args[0])
       if name == "clip" and n_pos >= 3:
         for i, kind in ((1, "no-lower"), (2, "no-upper")):
           args = list(node.args)
           args[i] = ast.Constant(None)
-          self.sites.append((node, kind, ast.Call(node.func, args, node.keywords)))
+          self._site(node, kind, ast.Call(node.func, args, node.keywords))
       builtin_bound = owner == "" and name in ("max", "min") and n_pos >= 2
       if name in _REDUCE and not builtin_bound and (owner in _REDUCE_OWNERS or owner == ""):
         new_func = (
           ast.Name(_REDUCE[name]) if owner == "" else ast.Attribute(node.func.value, _REDUCE[name])
         )
-        self.sites.append((node.func, f"reduce:{name}->{_REDUCE[name]}", new_func))
+        self._site(node.func, f"reduce:{name}->{_REDUCE[name]}", new_func)
     self.generic_visit(node)
 
 
@@ -270,14 +289,15 @@ def generate_file(root: str, rel: str) -> list[GenMutant]:
   sites = sorted(
     visitor.sites, key=lambda s: (s[0].lineno, s[0].col_offset, s[1])
   )  # source order, then operator
-  for node, operator, new in sites:
+  for node, operator, new, qualname in sites:
     start = offsets[node.lineno - 1] + node.col_offset
     end = offsets[node.end_lineno - 1] + node.end_col_offset
     old = source[start:end].decode()
     text = _replacement(new, old)
     if text.strip("()\n") == old:
       continue
-    base = f"{stem}:{node.lineno}:{operator}"
+    digest = hashlib.sha1(f"{' '.join(old.split())}\0{' '.join(text.split())}".encode())
+    base = f"{stem}:{qualname}:{operator}:{digest.hexdigest()[:4]}"
     seen[base] = seen.get(base, 0) + 1
     name = base if seen[base] == 1 else f"{base}#{seen[base]}"
     mutant = GenMutant(name, rel, node.lineno, operator, start, end, text, old)

@@ -922,70 +922,70 @@ MUTANTS = [
 #: Generated mutants (``tests/mutagen.py``) that no test can tell from the
 #: original, by name, with the reason.
 EQUIVALENT: dict[str, str] = {
-  "_guard:92:drop-kwarg:separator": (
+  "_guard:check_skips:drop-kwarg:separator:a020": (
     "only the layout of a batched scale inside the LossScaleError message ('[1., 2.]' vs "
     "'[1. 2.]'); no value, no control flow"
   ),
-  "_metrics:80:if-false": (
+  "_metrics:nonfinite_leaves.leaf:if-false:4dea": (
     "an integer or boolean leaf then goes through logical_not(all(isfinite(g))), which is "
     "False for every integer/bool array: the same bool scalar as the fallback's"
   ),
-  "_numerics:35:cmp-nonstrict": (
+  "_numerics:compute_dtype:cmp-nonstrict:9f12": (
     "`itemsize <= 4` also maps 4-byte dtypes to float32; the only 4-byte float is float32"
   ),
-  "_numerics:65:cmp-nonstrict": (
+  "_numerics:reciprocal:cmp-nonstrict:fe2b": (
     "at exactly scale == 2**126 both paths are exact: 1/2**126 is a normal float32, and "
     "2**64/2**126 then / 2**64 multiplies by the same power of two, one rounding each"
   ),
-  "_numerics:111:if-false": (
+  "_numerics:combine_flags:if-false:b057": (
     "a single flag through the sum/sqrt combination gives the same bool (a fast path for one leaf)"
   ),
-  "_numerics:113:reduce:sum->max": (
+  "_numerics:combine_flags:reduce:sum->max:03ba": (
     "the flags are 0/1: max == 0 exactly when sum == 0, so sqrt(.) == 0 is the same AND"
   ),
-  "_product:43:no-bound#2": (
+  "_product:_bits:no-bound:a933": (
     "limbs are masked to _LIMB bits, so bits above a limb's width are zero: taking hi "
     "instead of the limb's end adds only zero bits"
   ),
-  "_product:44:cmp-strict": (
+  "_product:_bits:cmp-strict:1aa2": (
     "a == b gives an empty bit range, a piece of (1 << 0) - 1 = 0: adding it changes nothing"
   ),
-  "_product:74:if-false": "skipping zero limbs is a fast path: s * 0 adds 0 to the column",
-  "_product:114:cmp-strict": (
+  "_product:_exact_product:if-false:cdf2": "skipping zero limbs is a fast path: s * 0 adds 0 to the column",
+  "_product:_exact_product:cmp-strict:2a73": (
     "out_biased == 0 means a product below 2**-126; scale_product, the only caller, returns "
     "0 there (scale < the smallest scale with a normal product), whatever this gives"
   ),
-  "_product:144:cmp-negate": (
+  "_product:scale_product:cmp-negate:1d25": (
     "the exact integer emulation is exact for every factor: for float32-representable "
     "factors it gives the float32 product (the fast path's result)"
   ),
-  "_product:144:if-false": "as _product:144:cmp-negate: the exact path for every factor",
-  "_product:163:drop-kwarg:over": (
+  "_product:scale_product:if-false:d131": "as _product:scale_product:cmp-negate:1d25: the exact path for every factor",
+  "_product:_smallest_normal_result:drop-kwarg:over:4e6a": (
     "np.errstate only silences numpy's overflow RuntimeWarning in the host-side bisection "
     "(the product of the largest float32 and a growth factor is inf either way)"
   ),
-  "_product:196:cmp-strict": (
+  "_product:exact_reciprocal:cmp-strict:2248": (
     "rem == m only for a power-of-two scale (m = 2**23); the strict test then produces "
     "q - 1 with a nonzero remainder (0.0111... instead of 0.1000...), which the sticky bit "
     "rounds to the same float32"
   ),
-  "_product:200:cmp-strict": "as _product:196:cmp-strict (the same long division, later bits)",
+  "_product:exact_reciprocal:cmp-strict:2248#2": "as _product:exact_reciprocal:cmp-strict:2248 (the same long division, later bits)",
   # _autocast
-  "_autocast:329:if-false": (
+  "_autocast:_Interpreter.promote:if-false:a5eb": (
     "with fewer than two float operands every declared-dtype group has one member, so the "
     "loop below skips each (len(current) < 2) and returns the operands unchanged: a fast path"
   ),
-  "_autocast:358:if-false": (
+  "_autocast:_Interpreter._bias_target:if-false:6b77": (
     "a var is flagged lower-precision only when it holds self.dtype (first_order clears a "
     "single result's flag otherwise; LOWER casts every float operand to self.dtype), so two "
     "flagged operands of one group share one current dtype and "
     "promote() returns before _bias_target (len(current) < 2)"
   ),
-  "_autocast:715:drop-kwarg:strict": (
+  "_autocast:_jit_arrays.region:drop-kwarg:strict:9ed1": (
     "dyn is always the arrays at dyn_idx (jitted(*[leaves[i] for i in dyn_idx])): the same "
     "length, so strict never fires"
   ),
-  "_autocast:808:drop-kwarg:strict": (
+  "_autocast:autocast.run.flat_fun:drop-kwarg:strict:9ed1": (
     "dyn is always [leaves[i] for i in dyn_idx] (make_jaxpr(flat_fun)(*dyn)): the same "
     "length, so strict never fires"
   ),
@@ -995,38 +995,52 @@ EQUIVALENT: dict[str, str] = {
 #: Generated mutants whose killing test the coverage selection does not pick (their line
 #: runs in hundreds of tests): these tests run first, before the selected ones.
 PINNED: dict[str, tuple[str, ...]] = {
-  "_numerics:35:if-true": (BAD + "::test_float64_in_process_under_enable_x64",),
-  "_numerics:45:cmp-negate": (COMP + "::test_inner_transformation_sees_float32_params",),
-  "_numerics:45:if-true": (COMP + "::test_inner_transformation_sees_float32_params",),
-  "_numerics:45:if-false": (TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",),
-  "_product:144:if-true": ("tests/test_product_ties.py",),
-  "_product:164:cmp-nonstrict": (
+  "_numerics:compute_dtype:if-true:b33b": (BAD + "::test_float64_in_process_under_enable_x64",),
+  "_numerics:promote_floats.promote:cmp-negate:3fb2": (
+    COMP + "::test_inner_transformation_sees_float32_params",
+  ),
+  "_numerics:promote_floats.promote:if-true:3903": (
+    COMP + "::test_inner_transformation_sees_float32_params",
+  ),
+  "_numerics:promote_floats.promote:if-false:6286": (
+    TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",
+  ),
+  "_product:scale_product:if-true:aa53": ("tests/test_product_ties.py",),
+  "_product:_smallest_normal_result:cmp-nonstrict:dc8f": (
     "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
   ),
-  "_product:164:if-false": (
+  "_product:_smallest_normal_result:if-false:a3d3": (
     "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
   ),
-  "_rule:76:if-false": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
-  "_rule:85:no-bound": (ST + "::test_upward_storm_never_reaches_inf",),
-  "_numerics:145:if-false": (TR + "::test_non_float_and_none_leaves_pass_through",),
-  "_product:93:cmp-negate#2": (
+  "_rule:update_scale:if-false:5bed": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
+  "_rule:update_scale:no-bound:926d": (ST + "::test_upward_storm_never_reaches_inf",),
+  "_numerics:unscale_and_check.unscale:if-false:4dea": (
+    TR + "::test_non_float_and_none_leaves_pass_through",
+  ),
+  "_product:_exact_product.rounded:cmp-negate:c1ad": (
     "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
-  "_rule:18:cmp-nonstrict": (ST + "::test_counters_saturate_instead_of_wrapping",),
+  "_rule:_safe_increment:cmp-nonstrict:d9cc": (
+    ST + "::test_counters_saturate_instead_of_wrapping",
+  ),
   # _autocast
-  "_autocast:277:cmp-negate": (
+  "_autocast:_Interpreter.eval_eqn:cmp-negate:518c#2": (
     "tests/test_autocast.py::test_higher_order_bodies_are_cast_and_gradients_are_right[remat]",
   ),
-  "_autocast:277:if-false": (
+  "_autocast:_Interpreter.eval_eqn:if-false:8204": (
     "tests/test_autocast.py::test_higher_order_bodies_are_cast_and_gradients_are_right[remat]",
   ),
   # misc
-  "_signals:43:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
-  "_transform:122:if-false": (CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",),
-  "_state:204:drop-kwarg:dynamic": (
+  "_signals:check_gradient_dtypes:if-false:d69d": (
+    CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
+  ),
+  "_transform:_loss_scale_transform.update_fn:if-false:e45b": (
+    CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
+  ),
+  "_state:DynamicScaleState.create:drop-kwarg:dynamic:7c9c": (
     "tests/test_survivors_misc.py::test_create_passes_dynamic_false_to_the_config",
   ),
-  "_transform:55:if-false": (
+  "_transform:_update_dtype:if-false:03b8": (
     "tests/test_survivors_misc.py"
     "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
   ),
