@@ -309,8 +309,10 @@ class _Interpreter:
       if name in _LAYOUT and eqn.invars and _member(eqn.invars[0], lowp):
         out_lowp = _dtype_of(invals[0]) == self.dtype
     else:
+      # A bias added onto a lower-precision result runs in its dtype, but the sum is
+      # no longer that op's output: torch's linear takes one bias, and a second
+      # lower-rank tensor added to it (a positional table) promotes.
       vals = self.promote(eqn, invals, lowp, source_rank)
-      out_lowp = name == "add" and self._bias_flag
     out = prim.bind(*vals, **params)
     if multiple:
       return out, [out_lowp] * len(out)
@@ -320,7 +322,6 @@ class _Interpreter:
 
   def promote(self, eqn, invals, lowp, source_rank):
     """Casts the float operands of an elementwise primitive to one dtype."""
-    self._bias_flag = False
     idx = [
       i
       for i, v in enumerate(invals)
@@ -360,7 +361,6 @@ class _Interpreter:
       rank = source_rank.get(v_other) if isinstance(v_other, jex.Var) else None
       if rank is None or rank >= len(invals[lo].shape):
         continue
-      self._bias_flag = True
       return self.dtype
     return None
 

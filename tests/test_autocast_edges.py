@@ -95,3 +95,19 @@ def test_shard_map_blocks_follow_the_declared_in_specs():
   assert out.dtype == F16 and out.shape == (8,)
   ref = (x.astype(F16) * w[0, 0].astype(F16)) * jnp.arange(8.0, dtype=F16)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_second_vector_added_after_the_bias_promotes_as_torch():
+  # torch's linear takes one bias: F.linear(x, w, b) is float16, and adding a float32
+  # positional table of lower rank to it promotes to float32. The bias-add's sum is not
+  # a lower-precision result that a second bias could join.
+  torch = pytest.importorskip("torch")
+  x, w, b, pos = _rand(0, (2, 3, 4)), _rand(1, (4, 5)), _rand(2, (5,)), _rand(3, (3, 5))
+  out = autocast(lambda x, w, b, pos: x @ w + b + pos)(x, w, b, pos)
+  assert out.dtype == F32
+  ref = (x.astype(F16) @ w.astype(F16) + b.astype(F16)).astype(F32) + pos
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  t = lambda a: torch.from_numpy(np.array(a))
+  with torch.autocast("cpu", dtype=torch.float16):
+    theirs = torch.nn.functional.linear(t(x), t(w).T, t(b)) + t(pos)
+  assert theirs.dtype == torch.float32
