@@ -250,14 +250,20 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     "  `jax_lossscale/` (a keyword argument dropped, a comparison flipped or made",
     "  (non-)strict, a bound removed, a `raise` deleted, a reduction swapped, a branch",
     "  forced), named `module:function:operator:hash`; each runs the fastest tests that ran its",
-    "  line (per-test coverage, computed once).",
+    "  line (per-test coverage, computed once), and, if it survives them, the other tests",
+    "  that ran it (up to the limit given under Selection).",
     "",
     "*killed*: the tests fail; *equivalent*: they pass and the mutant cannot change an",
     "observable value (reason given, `EQUIVALENT` in `tests/mutants.py` for generated ones);",
     "*survived*: they pass (or no test runs the line) although the mutant is a real bug.",
     "",
     f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
-    f"{seconds / 60:.1f} min in all.",
+    f"{seconds / 60:.1f} min in all"
+    + (
+      f" ({n_cached} results reused from an earlier run of the same sources)."
+      if (n_cached := sum(bool(r.get("cached")) for r in results))
+      else "."
+    ),
     "",
     "Selection: " + "; ".join(selection) + ".",
     "",
@@ -269,10 +275,15 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     lines += [f"## {title}", "", _counts(group) + ".", ""]
     if not group:
       continue
-    lines += ["| mutant | result | s | tests | killed by / output |", "|---|---|---:|---:|---|"]
+    lines += [
+      "| mutant | line | result | s | tests | killed by / output |",
+      "|---|---:|---|---:|---:|---|",
+    ]
     for r in group:
+      n_tests = len(r["tests"]) + len(r.get("more_tests", ()))
       lines.append(
-        f"| `{r['name']}` | {r['status']} | {r['seconds']:.0f} | {len(r['tests'])} | {_detail(r)} |"
+        f"| `{r['name']}` | {r.get('line', '')} | {r['status']} | {r['seconds']:.0f} | "
+        f"{n_tests} | {_detail(r)} |"
       )
     lines.append("")
   hand = [r for r in results if r["kind"] == "hand"]
@@ -302,11 +313,21 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     f.write("\n".join(lines) + "\n")
 
 
+def _snippet_line(m: Mutant) -> int | str:
+  path = os.path.join(ROOT, m.file)
+  if not os.path.isfile(path):
+    return ""
+  with open(path) as f:
+    before, found, _ = f.read().partition(m.old)
+  return before.count("\n") + 1 if found else ""
+
+
 def _hand_task(m: Mutant) -> dict:
   return dict(
     kind="hand",
     name=m.name,
     file=m.file,
+    line=_snippet_line(m),
     why=m.why,
     tests=m.tests,
     equivalent=m.equivalent,
@@ -315,13 +336,17 @@ def _hand_task(m: Mutant) -> dict:
   )
 
 
-def _generated_task(m: mutagen.GenMutant, tests: tuple[str, ...]) -> dict:
+def _generated_task(
+  m: mutagen.GenMutant, tests: tuple[str, ...], more_tests: tuple[str, ...] = ()
+) -> dict:
   return dict(
     kind="generated",
     name=m.name,
     file=m.file,
+    line=m.line,
     why=m.why,
     tests=tests,
+    more_tests=tuple(t for t in more_tests if t not in tests),
     equivalent=EQUIVALENT.get(m.name),
     note=None,
     apply=m.apply,
@@ -340,6 +365,7 @@ def _result_key(copy: str, task: dict, mutated: bytes) -> str:
       with open(path, "rb") as f:
         h.update(rel.encode() + f.read())
   h.update("\0".join(task["tests"]).encode())
+  h.update(b"\1" + "\0".join(task.get("more_tests", ())).encode())
   return h.hexdigest()[:24]
 
 
@@ -360,6 +386,14 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) 
       f.write(mutated)
     try:
       rc, output, dt = run_tests(copy, task["tests"], timeout)
+      more = task.get("more_tests", ())
+      if rc == 0 and more:
+        # Survived its chosen tests: run every other test that ran its line (up
+        # to --escalate-tests), so that a survivor survives all of them.
+        rc, output, dt2 = run_tests(copy, more, timeout)
+        dt += dt2
+        if rc != 0 and rc not in _BAD_SELECTION:
+          output = f"(by a further covering test) {output}"
     finally:
       with open(path, "wb") as f:
         f.write(original)
@@ -411,6 +445,18 @@ def main(argv=None) -> int:
     type=float,
     default=15.0,
     help="seconds of (measured) test time per generated mutant",
+  )
+  parser.add_argument(
+    "--escalate-tests",
+    type=int,
+    default=200,
+    help="tests run for a generated mutant that survives its first ones (0: none)",
+  )
+  parser.add_argument(
+    "--escalate-budget",
+    type=float,
+    default=120.0,
+    help="seconds of (measured) test time for those further tests",
   )
   parser.add_argument(
     "--no-result-cache",
@@ -482,7 +528,8 @@ def main(argv=None) -> int:
       )
       + (f", the first {args.limit}" if args.limit is not None else ""),
       f"at most {args.max_tests} covering tests (about {args.test_budget:.0f} s of them) per "
-      f"generated mutant, {jobs} at once",
+      f"generated mutant, then, if it survives, up to {args.escalate_tests} (about "
+      f"{args.escalate_budget:.0f} s), {jobs} at once",
     ]
     if args.list:
       for m in hand:
@@ -508,7 +555,9 @@ def main(argv=None) -> int:
         return 2
     tasks = [_hand_task(m) for m in hand]
     cov = None
-    if generated:
+    if generated and args.tests:  # the tests are given: no coverage map needed
+      tasks += [_generated_task(m, tuple(args.tests)) for m in generated]
+    elif generated:
       t0 = time.perf_counter()
       cov = mutagen.build_coverage_map(
         copy, pytest_env(copy), _coverage_tests(copy), CACHE, timeout=3600
@@ -522,10 +571,13 @@ def main(argv=None) -> int:
       if cov["failed"]:
         print(f"mutate: tests failing unmutated, not used: {cov['failed']}", file=sys.stderr)
       for m in generated:
-        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, affinity(m.file))
+        near = affinity(m.file)
+        tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, near)
         tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + tests))  # pinned ones first
-        tests = tuple(args.tests) if args.tests else tests
-        tasks.append(_generated_task(m, tests))
+        more = ()
+        if args.escalate_tests > 0:
+          more = mutagen.tests_for(m, cov, args.escalate_tests, args.escalate_budget, near)
+        tasks.append(_generated_task(m, tests, more))
     selection.append(
       f"{sum(bool(t['tests']) for t in tasks if t['kind'] == 'generated')} generated mutants "
       "covered by a test"
@@ -534,7 +586,7 @@ def main(argv=None) -> int:
     def timeout_of(task):
       if task["kind"] == "hand" or cov is None:
         return args.timeout
-      spent = sum(cov["durations"].get(t, 10.0) for t in task["tests"])
+      spent = sum(cov["durations"].get(t, 10.0) for t in task["tests"] + task["more_tests"])
       return min(args.timeout, 60.0 + 5.0 * spent)
 
     pool_copies: queue.Queue = queue.Queue()

@@ -111,3 +111,53 @@ def test_a_second_vector_added_after_the_bias_promotes_as_torch():
   with torch.autocast("cpu", dtype=torch.float16):
     theirs = torch.nn.functional.linear(t(x), t(w).T, t(b)) + t(pos)
   assert theirs.dtype == torch.float32
+
+
+def test_a_reverse_scan_keeps_its_direction():
+  # scan(reverse=True) is the forward scan over the reversed sequence, its outputs
+  # reversed back; under autocast too (each step a float16 matmul).
+  ws, x = _rand(0, (3, 4, 4)), _rand(1, (2, 4))
+
+  def body(h, w):
+    h = jnp.tanh(h @ w)
+    return h, h
+
+  backwards = autocast(lambda ws, x: lax.scan(body, x, ws, reverse=True))(ws, x)
+  by_hand = autocast(lambda ws, x: lax.scan(body, x, ws[::-1]))(ws, x)
+  forwards = autocast(lambda ws, x: lax.scan(body, x, ws))(ws, x)
+  np.testing.assert_array_equal(np.asarray(backwards[0]), np.asarray(by_hand[0]))
+  np.testing.assert_array_equal(np.asarray(backwards[1]), np.asarray(by_hand[1][::-1]))
+  assert backwards[1].dtype == by_hand[1].dtype == F16
+  assert not np.array_equal(np.asarray(backwards[0]), np.asarray(forwards[0]))
+
+
+@jax.custom_vjp
+def _tanh_vjp(x):
+  return jnp.tanh(x)
+
+
+def _tanh_vjp_fwd(x):
+  y = jnp.tanh(x)
+  return y, y
+
+
+def _tanh_vjp_bwd(y, g):
+  return (g * (1 - y * y),)
+
+
+_tanh_vjp.defvjp(_tanh_vjp_fwd, _tanh_vjp_bwd)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_a_custom_vjp_backward_sees_its_residuals_sharding(axis_type):
+  # The backward is traced again for its residuals and cotangents with their shardings:
+  # on an Explicit mesh a sharded residual traced as unsharded is a type error.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  x = jax.device_put(_rand(0, (8, 4)), jax.NamedSharding(mesh, P("data")))
+  w = jax.device_put(_rand(1, (4, 6)), jax.NamedSharding(mesh, P(None, "model")))
+  f = lambda x, w: jnp.sum(_tanh_vjp(x @ w).astype(jnp.float32))
+  with jax.set_mesh(mesh):
+    g = jax.jit(jax.grad(autocast(f), argnums=1))(x, w)
+    ref = jax.jit(jax.grad(lambda x, w: f(x.astype(F16), w.astype(F16)), argnums=1))(x, w)
+  assert g.dtype == F32 and g.sharding.spec == P(None, "model")
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(ref))

@@ -122,6 +122,13 @@ def test_integer_fields_stop_at_int32_max(field):
     jls.dynamic_loss_scale(optax.sgd(1.0), **{field: 2**31})
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_dynamic_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=r"dynamic must be a bool, got"):
+    jls.DynamicScaleConfig(dynamic=value)
+  assert jls.DynamicScaleConfig(dynamic=np.bool_(False)).dynamic == np.bool_(False)
+
+
 def test_static_state_given_to_a_dynamic_scaler_is_refused(maybe_jit):
   params = {"w": jnp.zeros(2)}
   state = jls.no_loss_scale(optax.sgd(1.0)).init(params)
@@ -204,6 +211,18 @@ def test_half_gradients_keep_their_dtype_without_wider_params(maybe_jit, with_pa
     updates, _ = maybe_jit(tx.update)(grads, tx.init(params), params if with_params else None)
   assert updates["w"].dtype == jnp.float16 and updates["b"].dtype == jnp.bfloat16
   assert float(updates["w"][0]) == -0.5 and float(updates["b"][0]) == -1.0
+
+
+def test_a_frozen_param_without_a_gradient_gets_no_update(maybe_jit):
+  # A gradient of None (a frozen param) is an update of None, next to float16 gradients
+  # of float32 params that come back float32.
+  params = {"w": jnp.ones(2), "frozen": jnp.ones(3)}
+  grads = {"w": jnp.full((2,), 4.0, jnp.float16), "frozen": None}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  updates, state = maybe_jit(tx.update)(grads, tx.init(params), params)
+  assert updates["frozen"] is None
+  assert updates["w"].dtype == jnp.float32 and float(updates["w"][0]) == -0.5
+  assert int(state.loss_scale.skipped_steps) == 0
 
 
 def test_float32_gradients_of_float16_params_stay_float32(maybe_jit):
