@@ -1038,10 +1038,9 @@ PINNED: dict[str, tuple[str, ...]] = {
     CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
   ),
   "_state:DynamicScaleState.create:drop-kwarg:dynamic:7c9c": (
-    "tests/test_survivors_misc.py::test_create_passes_dynamic_false_to_the_config",
+    "tests/test_flax.py::test_create_passes_dynamic_false_to_the_config",
   ),
   "_transform:_update_dtype:if-false:03b8": (
-    "tests/test_survivors_misc.py"
-    "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
+    CFG + "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
   ),
 }

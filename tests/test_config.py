@@ -398,3 +398,23 @@ except ImportError as e:
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert "IMPORT-ERROR:" in out.stdout and "jax-lossscale[flax]" in out.stdout
+
+
+def test_dynamic_loss_scale_honours_max_scale():
+  params = {"w": jnp.ones(2)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=4.0, growth_interval=1, max_scale=8.0)
+  state = tx.init(params)
+  scales = []
+  for _ in range(3):
+    _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    scales.append(float(state.loss_scale.scale))
+  assert scales == [8.0, 8.0, 8.0]
+  assert state.loss_scale.config.max_scale == 8.0
+
+
+def test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype():
+  params = {"w": jnp.ones(2, jnp.float32)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  updates, _ = tx.update({"w": jnp.full(2, 4.0, jnp.float16)}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["w"], np.full(2, -0.5, np.float32))

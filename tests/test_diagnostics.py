@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale.diagnostics import UnderflowReport
 
 F16_SUB = float(2.0**-15)  # a float16 subnormal
 F16_TINY = float(2.0**-14)  # the smallest normal float16: not counted
@@ -465,3 +466,39 @@ def test_taps_inside_params_and_as_argument_are_refused():
       None,
       activations={"h": jnp.zeros(1)},
     )
+
+
+def _flat_report(names, nonzero, lost, scale):
+  """A report built by hand: ``lost`` elements of ``nonzero`` per leaf, the same at both scales."""
+  return UnderflowReport(
+    nonzero={k: jnp.int32(nonzero) for k in names},
+    lost_unscaled={k: jnp.int32(lost) for k in names},
+    lost_scaled={k: jnp.int32(lost) for k in names},
+    finite_unscaled=jnp.bool_(True),
+    finite_scaled=jnp.bool_(True),
+    scale=jnp.float32(scale),
+  )
+
+
+def test_verdict_at_scale_zero_prints_the_scale_instead_of_its_log():
+  # log2(0) is undefined: the verdict writes the scale itself ("0"); it used to raise
+  # ValueError (round(nan)) for check_underflow(..., scale=0.0).
+  verdict = _flat_report(["w"], 4, 1, 0.0).verdict()
+  assert "25.00% at scale 0" in verdict
+  assert verdict.startswith("does not need loss scaling")  # scale 0 saves nothing
+
+
+def test_verdict_at_an_infinite_scale_says_it_overflows():
+  report = _flat_report(["w"], 4, 1, float("inf"))._replace(finite_scaled=jnp.bool_(False))
+  assert "scale inf overflows (the dynamic scaler backs off from it)" in report.verdict()
+
+
+def test_verdict_writes_a_power_of_two_scale_as_a_power():
+  assert "at scale 2^16" in _flat_report(["w"], 4, 0, 2.0**16).verdict()
+  assert "at scale 1000" in _flat_report(["w"], 4, 0, 1000.0).verdict()
+
+
+def test_verdict_calls_parameter_gradients_parameter_gradients():
+  verdict = _flat_report(["w", "b"], 8, 2, 2.0**16).verdict()
+  assert "of the non-zero parameter-gradient elements (2 leaves; worst w: 25.00%)" in verdict
+  assert "activation-gradient" not in verdict

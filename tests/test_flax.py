@@ -1,5 +1,6 @@
 """Flax linen: the ``dynamic_scale`` TrainState field, scaled value_and_grad, stock TrainState."""
 
+from flax import struct
 import flax.linen as nn
 from flax.training import train_state
 import jax
@@ -296,3 +297,38 @@ def test_stock_trainstate_with_dynamic_loss_scale(maybe_jit):
   assert float(jls.get_scale_state(skipped).scale) == 2.0**9
   # Flax's own ``step`` counts calls; the optimizer's state did not advance.
   assert int(skipped.step) == 2
+
+
+def test_create_passes_dynamic_false_to_the_config():
+  ds = jls.DynamicScaleState.create(init_scale=8.0, dynamic=False)
+  assert ds.config.dynamic is False
+  assert jls.DynamicScaleState.create(init_scale=8.0).config.dynamic is True
+  # A static scaler keeps its scale after growth_interval finite steps.
+  state = TrainState.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=optax.sgd(0.1),
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=8.0, growth_interval=1, dynamic=False),
+  )
+  new = state.apply_gradients(grads={"w": jnp.ones(2)})
+  assert float(new.dynamic_scale.scale) == 8.0
+  np.testing.assert_array_equal(new.params["w"], np.full(2, np.float32(1) - np.float32(0.1)))
+
+
+def test_value_and_grad_forwards_keyword_arguments():
+  ds = jls.DynamicScaleState.create(init_scale=1024.0)
+  loss_fn = lambda w, *, k=1.0: k * jnp.sum(w**2)
+  out = value_and_grad(loss_fn, ds)(jnp.array([1.0, 2.0]), k=3.0)
+  assert float(out.value) == 15.0
+  np.testing.assert_array_equal(out.grads, np.array([6.0, 12.0], np.float32))
+
+
+class _StateWithField(TrainState):
+  extra: int = struct.field(pytree_node=False, default=0)
+
+
+def test_create_passes_subclass_fields_through():
+  state = _StateWithField.create(
+    apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), extra=7
+  )
+  assert state.extra == 7
