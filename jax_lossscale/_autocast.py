@@ -165,24 +165,14 @@ def _dtype_of(x):
   return np.dtype(x.dtype)
 
 
-_WIDTH = {np.dtype(jnp.float16): 16, np.dtype(jnp.bfloat16): 16, np.dtype(jnp.float32): 32}
-
-
 def _promote(dtypes):
-  """torch's float promotion (f16 with bf16 is f32); independent of jax's promotion mode."""
-  out = np.dtype(dtypes[0])
-  for d in dtypes[1:]:
-    d = np.dtype(d)
-    if d == out:
-      continue
-    if d in _WIDTH and out in _WIDTH:
-      out = (
-        d if _WIDTH[d] > _WIDTH[out] else out if _WIDTH[out] > _WIDTH[d] else np.dtype(jnp.float32)
-      )
-    else:
-      with jax.numpy_dtype_promotion("standard"):
-        out = np.dtype(jnp.promote_types(out, d))
-  return out
+  """torch's type promotion of tensors of these dtypes, whatever JAX's promotion mode.
+
+  For the floats autocast casts between it is JAX's standard lattice: float16 with
+  bfloat16 is float32 in both, and the wider dtype wins otherwise.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 def _has_jaxpr_param(params) -> bool:

@@ -7,7 +7,8 @@ code, no docstrings, nothing inside an error message, a warning or a
 ``print``):
 
 * ``drop-kwarg:NAME``: a keyword argument dropped from a call (``axis_name``,
-  ``**kwargs``, ``hysteresis``); ``NAME`` is ``**`` for a ``**kwargs``;
+  ``**kwargs``, ``hysteresis``); ``NAME`` is ``**`` for a ``**kwargs``; not
+  ``zip``'s ``strict=``, an assertion like ``assert`` (which is not mutated);
 * ``cmp-negate`` / ``cmp-strict`` / ``cmp-nonstrict``: a comparison flipped
   (``<`` to ``>=``, ``==`` to ``!=``, ``is`` to ``is not``, ``in`` to ``not in``)
   or made strict / non-strict (``<=`` to ``<``, ``<`` to ``<=``);
@@ -233,6 +234,8 @@ class _Sites(ast.NodeVisitor):
       return
     if self._active():
       for i, kw in enumerate(node.keywords):
+        if name == "zip" and kw.arg == "strict":
+          continue  # an assertion that the lengths agree; asserts are not mutated either
         rest = node.keywords[:i] + node.keywords[i + 1 :]
         label = kw.arg if kw.arg is not None else "**"
         self._site(node, f"drop-kwarg:{label}", ast.Call(node.func, node.args, rest))

@@ -975,19 +975,16 @@ EQUIVALENT: dict[str, str] = {
     "with fewer than two float operands every declared-dtype group has one member, so the "
     "loop below skips each (len(current) < 2) and returns the operands unchanged: a fast path"
   ),
+  "_autocast:_cast_to_declared:if-true:364f": (
+    "autocast casts only floats, so a non-float value already has its declared dtype and "
+    "_cast returns it unchanged; every jaxpr value has a dtype (no tokens reach a loop "
+    "carry or a float32 region)"
+  ),
   "_autocast:_Interpreter._bias_target:if-false:6b77": (
     "a var is flagged lower-precision only when it holds self.dtype (first_order clears a "
     "single result's flag otherwise; LOWER casts every float operand to self.dtype), so two "
     "flagged operands of one group share one current dtype and "
     "promote() returns before _bias_target (len(current) < 2)"
-  ),
-  "_autocast:_jit_arrays.region:drop-kwarg:strict:9ed1": (
-    "dyn is always the arrays at dyn_idx (jitted(*[leaves[i] for i in dyn_idx])): the same "
-    "length, so strict never fires"
-  ),
-  "_autocast:autocast.run.flat_fun:drop-kwarg:strict:9ed1": (
-    "dyn is always [leaves[i] for i in dyn_idx] (make_jaxpr(flat_fun)(*dyn)): the same "
-    "length, so strict never fires"
   ),
 }
 

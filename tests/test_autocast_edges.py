@@ -1,5 +1,8 @@
 """Edge cases of autocast's promotion and dispatch (found by mutation testing)."""
 
+import functools
+import itertools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -161,3 +164,38 @@ def test_a_custom_vjp_backward_sees_its_residuals_sharding(axis_type):
     ref = jax.jit(jax.grad(lambda x, w: f(x.astype(F16), w.astype(F16)), argnums=1))(x, w)
   assert g.dtype == F32 and g.sharding.spec == P(None, "model")
   np.testing.assert_array_equal(np.asarray(g), np.asarray(ref))
+
+
+def test_float_promotion_is_torchs_for_every_pair_and_triple():
+  # float16 with bfloat16 is float32 in torch; the wider dtype wins otherwise.
+  torch = pytest.importorskip("torch")
+  to_torch = {F16: torch.float16, BF16: torch.bfloat16, F32: torch.float32}
+  from_torch = {v: k for k, v in to_torch.items()}
+  for ds in itertools.product([F16, BF16, F32], repeat=3):
+    theirs = functools.reduce(torch.promote_types, [to_torch[d] for d in ds])
+    assert _autocast._promote(list(ds)) == from_torch[theirs], ds
+    assert (
+      _autocast._promote(list(ds[:2]))
+      == from_torch[torch.promote_types(*map(to_torch.get, ds[:2]))]
+    )
+
+
+def test_integer_operands_of_listed_ops_are_not_cast():
+  # Only float operands are cast: an integer matmul (lower-precision list) and an
+  # integer cumsum (float32 list) stay exact integers, as in torch.
+  a = jnp.arange(12, dtype=jnp.int32).reshape(3, 4) * 1000
+  b = jnp.arange(20, dtype=jnp.int32).reshape(4, 5)
+  out = autocast(lambda a, b: (a @ b, jnp.cumsum(a, axis=1)))(a, b)
+  assert out[0].dtype == out[1].dtype == np.dtype(jnp.int32)
+  np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(a) @ np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(out[1]), np.cumsum(np.asarray(a), axis=1))
+
+
+def test_a_value_already_in_the_target_dtype_keeps_its_weak_type():
+  # A weakly typed float32 input (a Python scalar) into a float32-list op is not
+  # converted, so the result stays weakly typed as without autocast.
+  f = lambda s: jnp.exp(s) * 2.0
+  ours = jax.make_jaxpr(autocast(f))(1.5).out_avals[0]
+  theirs = jax.make_jaxpr(f)(1.5).out_avals[0]
+  assert theirs.weak_type and ours.weak_type
+  assert ours.dtype == theirs.dtype == F32
