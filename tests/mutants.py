@@ -986,6 +986,15 @@ EQUIVALENT: dict[str, str] = {
     "flagged operands of one group share one current dtype and "
     "promote() returns before _bias_target (len(current) < 2)"
   ),
+  # _diagnostics
+  "_diagnostics:check_underflow.to32:if-false:6286": (
+    "to32 then also takes non-float leaves through jnp.asarray and casts those narrower than "
+    "4 bytes (int8/int16/uint8/bool) to float32 for the reference; but check_underflow "
+    "differentiates every leaf of the same variables with jax.grad in the half backwards too, "
+    "which raises the same TypeError ('grad requires real- or complex-valued inputs ... got "
+    "int8') for any non-inexact leaf (ints, bools, keys), only one grad call later; complex "
+    "leaves (itemsize >= 8) are not cast either way and are not counted (not floats)"
+  ),
 }
 
 
@@ -1039,5 +1048,12 @@ PINNED: dict[str, tuple[str, ...]] = {
   ),
   "_transform:_update_dtype:if-false:03b8": (
     CFG + "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
+  ),
+  # _diagnostics
+  "_diagnostics:UnderflowReport.total:if-true:e93f": (
+    "tests/test_diagnostics.py::test_logit_gradients_flush_while_parameter_gradients_do_not",
+  ),
+  "_diagnostics:check_underflow.named:if-true:6ddf": (
+    "tests/test_diagnostics.py::test_logit_gradients_flush_while_parameter_gradients_do_not",
   ),
 }

@@ -63,8 +63,11 @@ def test_taps_are_refused_with_an_autocast_function():
   ],
 )
 def test_the_half_dtype_of_an_autocast_function(made, given, used):
-  got = check_underflow(jls.autocast(_model, made), PARAMS, (X, C), half_dtype=given)
-  _same(got, check_underflow(_by_hand, PARAMS, (X, C), half_dtype=used))
+  # TINY: float16 flushes every gradient element without scaling, bfloat16 none.
+  got = check_underflow(jls.autocast(_model, made), PARAMS, (X, TINY), half_dtype=given)
+  _same(got, check_underflow(_by_hand, PARAMS, (X, TINY), half_dtype=used))
+  lost = 1.0 if used == jnp.float16 else 0.0
+  assert got.fractions() == {"b": lost, "w": lost}
 
 
 def test_the_policy_of_an_autocast_function_is_kept():
@@ -79,3 +82,16 @@ def test_the_spec_records_fun_dtype_and_policy():
   assert amp.autocast_spec.fun is _model
   assert amp.autocast_spec.dtype == np.dtype(jnp.bfloat16)
   assert amp.autocast_spec.policy is policy
+
+
+def test_the_reference_runs_the_function_as_written():
+  """Not ``autocast(f, float32)``: a float16 input the model does not cast stays float16 there.
+
+  ``exp`` of the float16 batch runs in float16 in ``f`` itself, where ``exp(-20) ~ 2e-9`` is 0:
+  that element's gradient is 0 in the reference and is not counted (autocast's float32 ``exp``
+  would keep it, and the half backwards, which run ``exp`` in float32, keep it too).
+  """
+  amp = jls.autocast(lambda p, x: jnp.sum(jnp.exp(x).astype(jnp.float32) * p["w"]))
+  r = check_underflow(amp, {"w": jnp.ones(2)}, jnp.array([-20.0, 0.0], jnp.float16))
+  assert {k: int(v) for k, v in r.nonzero.items()} == {"w": 1}
+  assert r.fractions() == r.fractions(scaled=True) == {"w": 0.0}

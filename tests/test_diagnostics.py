@@ -502,3 +502,133 @@ def test_verdict_calls_parameter_gradients_parameter_gradients():
   verdict = _flat_report(["w", "b"], 8, 2, 2.0**16).verdict()
   assert "of the non-zero parameter-gradient elements (2 leaves; worst w: 25.00%)" in verdict
   assert "activation-gradient" not in verdict
+
+
+def test_a_missing_key_raises_key_error_naming_the_whole_key():
+  """``KeyError(key)`` for the key asked for, not for the part of it that was not found."""
+  d = jls.diagnostics.grad_diagnostics({"w": jnp.ones(2)}, 1.0)
+  for key in ("w/nope", "nope/max_abs", "nope"):
+    with pytest.raises(KeyError) as raised:
+      d[key]
+    assert raised.value.args == (key,)
+    assert key not in d and d.get(key) is None
+
+
+def test_a_zero_size_leaf_gets_finite_shares_not_nan():
+  """No element: no zero and no subnormal share (0, not 0/0), nothing to overflow."""
+  g = {"empty": jnp.ones((0, 3), jnp.float16), "w": jnp.array([4094.0, 0.0])}
+  d = jls.diagnostics.grad_diagnostics(g, 1.0).flat()
+  assert {k: float(v) for k, v in d.items() if k.startswith("empty/")} == {
+    "empty/max_abs": 0.0,
+    "empty/nonfinite": 0.0,
+    "empty/headroom": np.inf,
+    "empty/zero": 0.0,
+    "empty/subnormal": 0.0,
+  }
+  assert float(d["w/zero"]) == 0.5 and float(d["min_headroom"]) == 4.0  # 65504 / 4094 == 16
+  assert int(d["min_headroom_leaf"]) == 1  # "w": the empty leaf's headroom is +inf
+
+
+def test_leaves_with_no_non_zero_gradient_have_share_zero_in_the_table_and_verdict():
+  """An unused param and a zero-size one: 0 of 0 elements lost is a share of 0, not an error.
+
+  The worst leaf is the one losing most, not the last name; the table's last column is the
+  scaled backward's, and its first column is as wide as the longest name.
+  """
+  params = {"w": jnp.ones(2), "unused": jnp.ones(3), "zero_size": jnp.ones((0, 2))}
+  r = jls.diagnostics.check_underflow(_elementwise_loss, params, jnp.array([1e-9, 1e-3]))
+  assert {k: int(v) for k, v in r.nonzero.items()} == {"unused": 0, "w": 2, "zero_size": 0}
+  assert r.fractions() == {"unused": 0.0, "w": 0.5, "zero_size": 0.0}
+  assert r.fractions(scaled=True) == {"unused": 0.0, "w": 0.0, "zero_size": 0.0}
+  assert r.verdict() == (
+    "NEEDS loss scaling: float16 without loss scaling flushes 50.00% of the non-zero "
+    "parameter-gradient elements (3 leaves; worst w: 50.00%); 0.00% at scale 2^16 "
+    "(parameter gradients only: pass activations= taps to check activations)."
+  )
+  assert r.table().splitlines() == [
+    "leaf          nonzero  lost, scale 1  lost, scaled",
+    "unused              0         0.000%        0.000%",
+    "w                   2        50.000%        0.000%",
+    "zero_size           0         0.000%        0.000%",
+  ]
+
+
+def test_a_model_without_float_params_is_reported_as_such():
+  r = jls.diagnostics.check_underflow(lambda p, b, dtype: jnp.float32(0.0), {}, None)
+  assert r.nonzero == {} and r.fractions() == {} and r.total() == 0.0
+  assert not r.needs_loss_scaling()
+  assert r.verdict() == (
+    "does not need loss scaling here (threshold 1.00%): float16 without loss scaling flushes "
+    "no gradient elements (no float leaves) (parameter gradients only: pass activations= "
+    "taps to check activations)."
+  )
+  assert r.table() == "leaf     nonzero  lost, scale 1  lost, scaled"  # 'leaf' is the width
+
+
+def test_each_group_is_judged_on_its_own_elements():
+  """1 of 100 activation-gradient elements lost is 1% of the activations (needs scaling),
+  though it is 0.5% of all 200 elements; the verdict with taps names both groups."""
+  r = _report(
+    {"w": 100, "activations/h": 100}, {"w": 0, "activations/h": 1}, {"w": 0, "activations/h": 0}
+  )
+  assert r.total() == 0.005
+  assert r.needs_loss_scaling(0.01)
+  assert r.verdict() == (
+    "NEEDS loss scaling: float16 without loss scaling flushes 0.00% of the non-zero "
+    "parameter-gradient elements (1 leaves; worst w: 0.00%); 0.00% at scale 2^16; and 1.00% of "
+    "the non-zero activation-gradient elements (1 leaves; worst activations/h: 1.00%); 0.00% at "
+    "scale 2^16."
+  )
+
+
+def test_a_group_that_scaling_does_not_help_does_not_need_it():
+  """The params lose 5% with and without scaling: scaling saves nothing there, even though the
+  activations' 0% brings the scaled share over all leaves down to 2.5%."""
+  r = _report(
+    {"w": 100, "activations/h": 100}, {"w": 5, "activations/h": 0}, {"w": 5, "activations/h": 0}
+  )
+  assert r.total(scaled=True) == 0.025
+  assert not r.needs_loss_scaling(0.01)
+  assert r.verdict().startswith("does not need loss scaling here (threshold 1.00%)")
+
+
+def test_untapped_params_under_a_params_key_keep_their_full_names():
+  """Only the taps' wrapping (``{"params": ..., "activations": ...}``) is taken off the names:
+  Flax variables passed as they are keep the ``params/`` of grad_leaf_names."""
+
+  def loss_fn(v, c, dtype):
+    return _elementwise_loss(v["params"], c, dtype)
+
+  variables = {"params": {"w": jnp.ones(2)}}
+  r = jls.diagnostics.check_underflow(loss_fn, variables, jnp.array([1e-9, 1e-3]))
+  assert list(r.nonzero) == jls.diagnostics.grad_leaf_names(variables) == ["params/w"]
+  assert r.fractions() == {"params/w": 0.5}
+
+
+def test_the_reference_casts_half_params_to_float32_and_keeps_the_rest_as_they_are():
+  """A float16 param is float32 in the reference; a weak-typed float32 scalar stays weak."""
+  seen = {}
+
+  def loss_fn(p, c, dtype):
+    seen[np.dtype(dtype).name] = {
+      k: (jax.typeof(v).dtype, jax.typeof(v).weak_type) for k, v in p.items()
+    }
+    return jnp.sum(p["h"].astype(dtype).astype(jnp.float32) * c * p["s"])
+
+  jls.diagnostics.check_underflow(loss_fn, {"h": jnp.ones(2, jnp.float16), "s": 2.0}, jnp.ones(2))
+  assert seen == {
+    "float32": {"h": (np.dtype("float32"), False), "s": (np.dtype("float32"), True)},
+    "float16": {"h": (np.dtype("float16"), False), "s": (np.dtype("float32"), True)},
+  }
+
+
+def test_counts_are_int32_under_enable_x64():
+  """As documented, and as without x64 (a bool sum would be int64 there)."""
+  with jax.enable_x64(True):
+    params = {"w": jnp.ones(2, jnp.float32)}
+    r = jls.diagnostics.check_underflow(
+      _elementwise_loss, params, jnp.array([1e-9, 1e-3], jnp.float32)
+    )
+    for field in (r.nonzero, r.lost_unscaled, r.lost_scaled):
+      assert field["w"].dtype == jnp.int32
+    assert (int(r.nonzero["w"]), int(r.lost_unscaled["w"]), int(r.lost_scaled["w"])) == (2, 1, 0)
