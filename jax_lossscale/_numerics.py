@@ -76,10 +76,28 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   return inv, shift
 
 
+def refuse_complex(tree: PyTree) -> None:
+  """Raises ``TypeError`` naming the first complex leaf of a gradient tree.
+
+  The scaler unscales and checks real floating-point leaves; a complex leaf
+  would otherwise pass through like an integer one, still scaled and never
+  checked. torch's ``GradScaler`` does not unscale complex gradients either.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jnp.issubdtype(jnp.result_type(x), jnp.complexfloating):
+      raise TypeError(
+        f"gradient leaf {jax.tree_util.keystr(path) or '(the root)'} is "
+        f"{jnp.result_type(x)}: complex gradients are not supported by loss scaling "
+        "(they would be neither unscaled nor checked). Keep a complex parameter as "
+        "its real and imaginary parts."
+      )
+
+
 def all_finite(tree: PyTree) -> jax.Array:
   """``True`` iff every floating-point element of ``tree`` is finite.
 
   Integer, boolean and ``None`` leaves are ignored; an empty tree is finite.
+  A complex leaf raises ``TypeError``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -87,6 +105,7 @@ def all_finite(tree: PyTree) -> jax.Array:
     >>> all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])})
     Array(False, dtype=bool)
   """
+  refuse_complex(tree)
   leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_float(x)]
   if not leaves:
     return jnp.asarray(True)
@@ -122,7 +141,8 @@ def unscale_and_check(grads: optax.Updates, scale: ScaleLike) -> tuple[optax.Upd
   as float32, float64 stays float64). Finiteness is judged on the unscaled
   values: a non-finite scaled gradient stays non-finite, and an overflow that
   unscaling itself creates (scale < 1) is caught too. Integer, boolean and
-  ``None`` leaves pass through untouched and take no part in the check.
+  ``None`` leaves pass through untouched and take no part in the check; a
+  complex leaf raises ``TypeError``.
 
   Args:
     grads: pytree of gradients of the scaled loss.
@@ -138,6 +158,7 @@ def unscale_and_check(grads: optax.Updates, scale: ScaleLike) -> tuple[optax.Upd
     >>> g, ok
     ([Array([1., 2.], dtype=float32), Array([4.], dtype=float32)], Array(True, dtype=bool))
   """
+  refuse_complex(grads)
   scale = getattr(scale, "scale", scale)
   inv, shift = reciprocal(jnp.asarray(scale, jnp.float32))
 

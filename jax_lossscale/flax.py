@@ -41,6 +41,7 @@ from jax_lossscale._numerics import all_finite
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import promote_floats
+from jax_lossscale._numerics import refuse_complex
 from jax_lossscale._numerics import unscale_and_check
 from jax_lossscale._rule import update_scale
 from jax_lossscale._sharding import across_axis
@@ -146,6 +147,7 @@ def value_and_grad(
 
   def wrapped(*args, **kwargs) -> ScaledValueAndGrad:
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    refuse_complex(grads)
 
     def unscale(leaves):
       leaves = across_axis(jax.lax.pmean, leaves, axis_name)
@@ -297,6 +299,7 @@ class TrainState(train_state.TrainState):
       ValueError: if ``finite`` is not a boolean scalar.
     """
     if finite is None:
+      refuse_complex(grads)
       finite = all_finite(gradient_leaves(grads))
     finite = jnp.asarray(finite)
     if finite.dtype != jnp.bool_ or finite.shape != ():

@@ -103,6 +103,45 @@ def test_integer_and_bool_leaves_take_no_part_in_the_check(maybe_jit):
   assert jls.all_finite({"i": jnp.asarray([2**31 - 1]), "b": jnp.asarray([True])})
 
 
+@pytest.mark.parametrize(
+  "step",
+  ["dynamic_loss_scale", "static_loss_scale", "no_loss_scale", "unscale_and_check", "all_finite"],
+)
+def test_complex_gradients_are_refused_naming_the_leaf(step, maybe_jit):
+  # A complex leaf would pass through like an integer one: still scaled, never checked
+  # (an inf gradient applied instead of a skipped step). It is refused instead.
+  params = {"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)}
+  grads = {"w": jnp.ones(2), "z": jnp.array([4 + 4j, jnp.inf], jnp.complex64)}
+  if step in ("dynamic_loss_scale", "static_loss_scale", "no_loss_scale"):
+    tx = {
+      "dynamic_loss_scale": lambda: jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0),
+      "static_loss_scale": lambda: jls.static_loss_scale(optax.sgd(1.0), 4.0),
+      "no_loss_scale": lambda: jls.no_loss_scale(optax.sgd(1.0)),
+    }[step]()
+    run = lambda: maybe_jit(tx.update)(grads, tx.init(params), params)
+  elif step == "unscale_and_check":
+    run = lambda: maybe_jit(jls.unscale_and_check)(grads, 4.0)
+  else:
+    run = lambda: maybe_jit(jls.all_finite)(grads)
+  with pytest.raises(TypeError, match=r"gradient leaf \['z'\] is complex64: complex gradients"):
+    run()
+
+
+def test_complex_gradients_are_refused_by_the_flax_paths():
+  from jax_lossscale.flax import TrainState
+  from jax_lossscale.flax import value_and_grad
+
+  ds = jls.DynamicScaleState.create(init_scale=4.0)
+  loss = lambda z: jnp.sum(jnp.abs(z) ** 2)
+  with pytest.raises(TypeError, match=r"gradient leaf .* is complex64"):
+    value_and_grad(loss, ds)(jnp.ones(2, jnp.complex64))
+  state = TrainState.create(
+    apply_fn=None, params={"z": jnp.ones(2, jnp.complex64)}, tx=optax.sgd(1.0), dynamic_scale=ds
+  )
+  with pytest.raises(TypeError, match=r"gradient leaf \['z'\] is complex64"):
+    state.apply_gradients(grads={"z": jnp.ones(2, jnp.complex64)})
+
+
 def test_empty_trees(maybe_jit):
   tx = _tx(growth_interval=1)
   for empty in ({}, [], ()):
