@@ -17,7 +17,7 @@ def _mesh_of(params: Any):
   for x in jax.tree_util.tree_leaves(params):
     if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
       continue
-    if isinstance(x.sharding, NamedSharding) and x.sharding.mesh.size > 1:
+    if isinstance(x.sharding, NamedSharding):
       return x.sharding.mesh
   return None
 

@@ -995,6 +995,28 @@ EQUIVALENT: dict[str, str] = {
     "int8') for any non-inexact leaf (ints, bools, keys), only one grad call later; complex "
     "leaves (itemsize >= 8) are not cast either way and are not counted (not floats)"
   ),
+  # _skip, _sharding
+  "_skip:skipped_updates:drop-kwarg:is_leaf:6c50": (
+    "without is_leaf a None update is an empty subtree, which tree_map keeps as None: what "
+    "skip returns for it"
+  ),
+  "_skip:skipped_updates.skip:if-true:386f": (
+    "for an integer or boolean update full_like(u, -0.0) is zeros_like(u) (-0.0 converts to "
+    "0 and False); complex gradients are refused before any update exists (refuse_complex)"
+  ),
+  "_skip:_where:drop-kwarg:is_leaf:18fb": (
+    "every caller's old tree has a None wherever new has one (old_out is skipped_updates of "
+    "new_out or the params new_out was computed from; old_state has new_state's structure), "
+    "so without is_leaf both are matching empty subtrees and the result keeps None"
+  ),
+  "_skip:_predicates:if-false:b243": (
+    "with no large leaf, platform_dependent over an empty list returns an empty list and "
+    "every predicate stays finite: the early return is a fast path"
+  ),
+  "_sharding:all_devices_finite:if-false:5b97": (
+    "across_axis is the identity for axis_name=None, so the psum branch gives "
+    "(~finite).astype(int32) == 0, which is finite"
+  ),
 }
 
 
@@ -1055,5 +1077,15 @@ PINNED: dict[str, tuple[str, ...]] = {
   ),
   "_diagnostics:check_underflow.named:if-true:6ddf": (
     "tests/test_diagnostics.py::test_logit_gradients_flush_while_parameter_gradients_do_not",
+  ),
+  # _skip, _signals
+  "_skip:_orderable:cmp-negate:9a87": (
+    "tests/test_compiled.py::test_dynamic_loss_scale_step_has_no_state_copy",
+  ),
+  "_skip:_orderable:cmp-strict:d12b": (
+    "tests/test_compiled.py::test_a_leaf_of_exactly_large_elements_is_ordered_and_one_fewer_is_not",
+  ),
+  "_signals:check_gradient_dtypes:cmp-negate:6382": (
+    CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
   ),
 }

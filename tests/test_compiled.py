@@ -160,10 +160,10 @@ def test_ordering_follows_the_compiled_platform_not_the_default_backend(monkeypa
   assert "conditional(" not in compiled.as_text()  # the platform choice is gone by then
 
 
-def _ordering_ops(platforms) -> int:
+def _ordering_ops(platforms, params=None) -> int:
   """``or`` ops (the ordering flags' ``bits | 1``) in the step exported for ``platforms``."""
   tx = jls.dynamic_loss_scale(optax.adam(1e-3))
-  params = _params()
+  params = _params() if params is None else params
 
   def step(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -182,6 +182,14 @@ def test_other_platforms_get_plain_selects():
   assert _ordering_ops(["cpu"]) >= plain + 2  # one flag per large leaf (two here)
   # Exported for both, both variants are kept until the compiler's platform is known.
   assert _ordering_ops(["cpu", "cuda"]) >= plain + 2
+
+
+def test_a_leaf_of_exactly_large_elements_is_ordered_and_one_fewer_is_not():
+  """The threshold is inclusive: ``LARGE`` elements get an ordering flag on CPU."""
+  ors = lambda n: _ordering_ops(["cpu"], {"w": jnp.zeros(n, jnp.float32)})
+  plain = ors(8)
+  assert ors(LARGE - 1) == plain
+  assert ors(LARGE) == plain + 1
 
 
 def test_unscaling_does_not_copy_the_reciprocal_into_every_fusion():

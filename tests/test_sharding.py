@@ -17,6 +17,7 @@ axes (under ``jax.set_mesh``) and with Auto axes, and:
 
 import contextlib
 import inspect
+from typing import NamedTuple
 
 from conftest import standard_promotion
 from flax import nnx
@@ -424,6 +425,37 @@ def test_multi_steps_init_places_its_counters_on_the_params_mesh(axis_type):
   _assert_like_params(state.acc_grads, params)
   for leaf in jax.tree_util.tree_leaves(state):
     assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh, leaf.sharding
+
+
+class _HostState(NamedTuple):
+  count: int
+  table: np.ndarray
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_init_leaves_host_values_of_an_inner_state_as_they_are(axis_type):
+  """Only single-device jax arrays are placed: an inner state holding a Python int and a
+  NumPy array (a custom transformation's) keeps them as they are."""
+  inner = optax.GradientTransformation(
+    lambda params: _HostState(3, np.arange(2.0)), lambda u, state, params=None: (u, state)
+  )
+  mesh = _mesh(axis_type)
+  _, params_np = _data()
+  with _in_mesh(mesh):
+    state = jls.dynamic_loss_scale(inner).init(_put(mesh, params_np))
+  held = jls.inner_state(state)
+  assert held.count == 3 and type(held.count) is int
+  assert type(held.table) is np.ndarray
+  np.testing.assert_array_equal(held.table, [0.0, 1.0])
+  _assert_replicated_on(jls.get_scale_state(state), mesh)
+
+
+def test_init_replicates_on_a_one_device_mesh_too():
+  """A one-device mesh is a mesh: the scaler's scalars are placed on it like the params."""
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  params = {"w": jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("d")))}
+  state = jls.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+  _assert_replicated_on(jls.get_scale_state(state), mesh)
 
 
 # -- a large FSDP leaf traced on an Explicit mesh ---------------------------------------------
