@@ -122,6 +122,18 @@ def test_integer_fields_stop_at_int32_max(field):
     jls.dynamic_loss_scale(optax.sgd(1.0), **{field: 2**31})
 
 
+def test_the_scale_band_is_validated_naming_its_ends():
+  with pytest.raises(ValueError, match=r"max_scale must be <= the largest float32, got 1e\+39"):
+    jls.DynamicScaleConfig(max_scale=1e39)
+  with pytest.raises(ValueError, match=r"min_scale \(4\.0\) must be <= max_scale \(2\.0\)"):
+    jls.DynamicScaleConfig(init_scale=2.0, min_scale=4.0, max_scale=2.0)
+
+
+def test_from_config_refuses_anything_but_a_config():
+  with pytest.raises(ValueError, match="config must be a DynamicScaleConfig, got dict"):
+    jls.DynamicScaleState.from_config({"init_scale": 2.0})
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_dynamic_must_be_a_bool(value):
   with pytest.raises(ValueError, match=r"dynamic must be a bool, got"):

@@ -229,6 +229,14 @@ def test_to_torch_state_dict_refuses_what_torch_cannot_hold():
     jax.jit(lambda s: jls.torch.to_torch_state_dict(s)["scale"])(jls.DynamicScaleState.create())
 
 
+def test_to_torch_state_dict_refuses_a_batch_of_states():
+  # torch's state dict holds one scaler: a vmapped stack of states has no single scale.
+  batch = jax.vmap(lambda s: jls.DynamicScaleState.create().replace(scale=s))(jnp.ones(2))
+  assert batch.scale.shape == (2,)
+  with pytest.raises(ValueError, match=r"scale must be a scalar, got shape \(2,\)"):
+    jls.torch.to_torch_state_dict(batch)
+
+
 def test_interop_module_does_not_import_torch():
   import subprocess
   import sys
