@@ -440,7 +440,8 @@ def test_a_lower_op_whose_result_is_float32_is_not_a_lower_precision_result():
   # A convert forced into the lower list still returns float32: it is not a contraction's
   # result, so the float32 vector it makes stays a bias that the matmul's add keeps float16.
   x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,), F16)
-  f = lambda x, w, b: x @ w + b.astype(jnp.float32)
+  # Broadcast first, then converted: the add sees the convert's result (rank 1 at source).
+  f = lambda x, w, b: x @ w + jnp.broadcast_to(b, (2, 4)).astype(jnp.float32)
   out = autocast(f, policy={"convert_element_type": "lower"})(x, w, b)
   assert out.dtype == F16
   ref = x.astype(F16) @ w.astype(F16) + b
@@ -468,3 +469,29 @@ def test_a_python_scalar_added_to_a_matmul_keeps_it_float16():
   assert out.dtype == F16
   ref = x.astype(F16) @ w.astype(F16) + jnp.float16(1.5)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@jax.custom_vjp
+def _times_count(x, n):
+  return x * n.astype(x.dtype)
+
+
+def _times_count_fwd(x, n):
+  return _times_count(x, n), n
+
+
+def _times_count_bwd(n, g):
+  # The cotangent of an integer argument written out as float0 zeros (not None).
+  return g * n.astype(g.dtype), np.zeros(np.shape(n), jax.dtypes.float0)
+
+
+_times_count.defvjp(_times_count_fwd, _times_count_bwd)
+
+
+def test_a_custom_vjp_backwards_float0_cotangent_for_an_integer_argument_is_dropped():
+  x, w, n = _rand(0, (2, 3)), _rand(1, (3, 4)), jnp.int32(3)
+  f = lambda x, w, n: jnp.sum(_times_count(x @ w, n).astype(jnp.float32))
+  gw, gn = jax.grad(autocast(f), argnums=(1, 2), allow_int=True)(x, w, n)
+  assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
+  ref = jax.grad(lambda w: jnp.sum((x.astype(F16) @ w.astype(F16) * jnp.float16(3)).astype(F32)))(w)
+  np.testing.assert_array_equal(np.asarray(gw), np.asarray(ref))
