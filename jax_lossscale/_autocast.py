@@ -392,11 +392,11 @@ def _eval_jit(interp: _Interpreter, eqn, invals):
     return tuple(outs)
 
   body.__name__ = name or "jit"
-  kwargs: dict[str, Any] = {}
-  if "inline" in params:
-    kwargs["inline"] = params["inline"]
-  if "keep_unused" in params:
-    kwargs["keep_unused"] = params["keep_unused"]
+  # jax.jit's own defaults where a jax version's jit eqn lacks the parameter.
+  kwargs: dict[str, Any] = {
+    "inline": params.get("inline", False),
+    "keep_unused": params.get("keep_unused", False),
+  }
   ins = params.get("in_shardings", ())
   if ins and not all(_is_unspecified(s) for s in ins):
     kwargs["in_shardings"] = tuple(ins)
@@ -404,8 +404,8 @@ def _eval_jit(interp: _Interpreter, eqn, invals):
   if outs_sh and not all(_is_unspecified(s) for s in outs_sh):
     kwargs["out_shardings"] = tuple(outs_sh)
   outs = jax.jit(body, **kwargs)(*invals)
-  flags = captured[-1] if captured else [False] * len(outs)
-  return list(outs), flags
+  # `body` is a new function, so jax.jit always traces it: `captured` is never empty.
+  return list(outs), captured[-1]
 
 
 def _eval_closed_call(interp: _Interpreter, eqn, invals):

@@ -199,3 +199,299 @@ def test_a_value_already_in_the_target_dtype_keeps_its_weak_type():
   theirs = jax.make_jaxpr(f)(1.5).out_avals[0]
   assert theirs.weak_type and ours.weak_type
   assert ours.dtype == theirs.dtype == F32
+
+
+# -- the cache of jitted regions -------------------------------------------------------
+
+
+class _Unhashable:
+  __hash__ = None  # type: ignore[assignment]
+
+
+def test_the_region_cache_keeps_the_64_newest_and_an_unhashable_call_takes_no_slot():
+  # Eager calls with static arguments reuse their jitted region from a cache of 64; the
+  # oldest goes first. A call whose static part is unhashable is not cached at all.
+  traces = []
+
+  def f(x, n):
+    traces.append(n)
+    return x * 2.0 if isinstance(n, _Unhashable) else x * n
+
+  g = autocast(f)
+  x = jnp.ones(2)
+  g(x, 0)
+  g(x, _Unhashable())
+  for n in range(1, 64):
+    g(x, n)
+  assert len(traces) == 65
+  g(x, 0)  # 64 cached keys (0..63): 0 is still there
+  assert len(traces) == 65
+  g(x, 64)  # a 65th key evicts the oldest, 0
+  g(x, 1)
+  assert len(traces) == 66
+  out = g(x, 0)
+  assert len(traces) == 67 and traces[-1] == 0
+  np.testing.assert_array_equal(np.asarray(out), np.zeros(2, np.float32))
+
+
+def test_keyword_arguments_reach_the_function():
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  out = autocast(lambda x, *, w: x @ w)(x, w=w)
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(x.astype(F16) @ w.astype(F16)))
+  kept = _autocast.float32(lambda x, *, w: x @ w)(x, w=w)
+  np.testing.assert_array_equal(np.asarray(kept), np.asarray(x @ w))
+
+
+def test_autocast_spec_is_none_for_an_attribute_of_another_type():
+  def f(x):
+    return x
+
+  f.autocast_spec = ("not", "a", "spec")
+  assert _autocast.autocast_spec(f) is None
+  spec = _autocast.autocast_spec(autocast(f))
+  assert spec is not None and spec.fun is f and spec.dtype == F16
+
+
+# -- parameters of the re-built higher-order primitives -------------------------------
+
+
+def _eqns(closed, name):
+  out = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == name:
+        out.append(e)
+      for p in e.params.values():
+        for q in p if isinstance(p, (tuple, list)) else (p,):
+          if hasattr(q, "eqns"):
+            walk(q)
+          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
+            walk(q.jaxpr)
+
+  walk(closed.jaxpr)
+  return out
+
+
+def _inner(eqns, mark="lambda"):
+  return [e for e in eqns if mark in str(e.params.get("name", mark))]
+
+
+def test_a_nested_jit_keeps_inline_keep_unused_and_a_partial_in_sharding():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  s = jax.NamedSharding(mesh, P("d"))
+  x = jax.device_put(_rand(0, (8, 4)), s)
+  w = _rand(1, (4, 4))
+  # inline=True survives staging only with a sharding; keep_unused keeps `u`.
+  inline = jax.jit(
+    lambda a, w: (a @ w, w), inline=True, in_shardings=(s, None), out_shardings=(s, None)
+  )
+  unused = jax.jit(lambda a, u: a * 2.0, keep_unused=True)
+  f = lambda x, w: unused(inline(x, w)[0], w)
+  with jax.set_mesh(mesh):
+    ours = _inner(_eqns(jax.make_jaxpr(autocast(f))(x, w), "jit"))
+    theirs = _inner(_eqns(jax.make_jaxpr(f)(x, w), "jit"))
+    out = autocast(f)(x, w)
+  assert len(ours) == len(theirs) == 2
+  for a, b in zip(ours, theirs, strict=True):
+    assert a.params["inline"] == b.params["inline"]
+    assert a.params["keep_unused"] == b.params["keep_unused"]
+  assert [e.params["inline"] for e in ours] == [True, False]
+  assert [e.params["keep_unused"] for e in ours] == [False, True]
+  assert ours[0].params["in_shardings"][0].spec == P("d")
+  assert ours[0].params["out_shardings"][0].spec == P("d")
+  assert out.dtype == F16
+  np.testing.assert_array_equal(
+    np.asarray(out), np.asarray((x.astype(F16) @ w.astype(F16)) * jnp.float16(2))
+  )
+
+
+def test_a_bias_added_to_a_nested_jits_matmul_stays_float16():
+  # The lower-precision flag of a jit's output crosses the jit: x @ w inside, + b outside.
+  x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,))
+  f = lambda x, w, b: jax.jit(lambda x, w: x @ w)(x, w) + b
+  out = autocast(f)(x, w, b)
+  assert out.dtype == F16
+  ref = x.astype(F16) @ w.astype(F16) + b.astype(F16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_remat_keeps_its_policy_and_prevent_cse():
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  f = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), policy=policy)(x))
+  g = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), prevent_cse=False)(x))
+  x, w = _rand(0, (3, 4)), _rand(1, (4, 4))
+  name = jax.make_jaxpr(f)(x, w).jaxpr.eqns[0].primitive.name
+  (a,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), name)
+  (b,) = _eqns(jax.make_jaxpr(autocast(g))(x, w), name)
+  assert a.params["policy"] is policy and a.params["prevent_cse"] is True
+  assert b.params["policy"] is None and b.params["prevent_cse"] is False
+
+
+def test_scan_keeps_its_unroll():
+  ws, x = _rand(0, (4, 3, 3)), _rand(1, (2, 3))
+  f = lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws, unroll=2)[0]
+  (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(ws, x), "scan")
+  assert eqn.params["unroll"] == 2
+  np.testing.assert_array_equal(
+    np.asarray(autocast(f)(ws, x)),
+    np.asarray(
+      autocast(lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])(ws, x)
+    ),
+  )
+
+
+def test_shard_map_keeps_its_manual_axes_and_check_vma():
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+  x = jax.device_put(_rand(0, (8, 4)), jax.NamedSharding(mesh, P("a")))
+  w = _rand(1, (4, 4))
+  # Manual over `a` only; the body's per-device result is declared replicated, which
+  # only check_vma=False allows.
+  body = lambda a, w: jnp.sum(a @ w, axis=0, keepdims=True)
+  f = lambda x, w: jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(P("a"), P()),
+    out_specs=P(),
+    axis_names={"a"},
+    check_vma=False,
+  )(x, w)
+  with jax.set_mesh(mesh):
+    (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), "shard_map")
+    (ref,) = _eqns(jax.make_jaxpr(f)(x, w), "shard_map")
+    out = autocast(f)(x, w)
+  manual = "newly_manual_axes"
+  assert eqn.params[manual] == ref.params[manual] == frozenset({"a"})
+  assert eqn.params["check_vma"] is False
+  assert out.dtype == F32 and out.shape == (1, 4)  # a float16 matmul, a float32 sum
+  first = jnp.sum(
+    (_rand(0, (8, 4))[:2].astype(F16) @ w.astype(F16)).astype(F32), axis=0, keepdims=True
+  )
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(first))
+
+
+# -- custom_jvp symbolic zeros -----------------------------------------------------------
+
+
+@jax.custom_jvp
+def _sin_cos_argmax(x):
+  return jnp.sin(x), jnp.cos(x), jnp.argmax(x)
+
+
+def _sin_cos_argmax_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  out = _sin_cos_argmax(x)
+  zero = jax.custom_derivatives.SymbolicZero
+  return out, (
+    jnp.cos(x) * t,
+    zero(jax.typeof(out[1]).to_tangent_aval()),
+    zero(jax.typeof(out[2]).to_tangent_aval()),
+  )
+
+
+_sin_cos_argmax.defjvp(_sin_cos_argmax_jvp, symbolic_zeros=True)
+
+
+def test_a_custom_jvp_rules_symbolic_zero_tangents_come_back_as_zeros():
+  # A symbolic-zero tangent of a float output is a float zero of its dtype; that of an
+  # integer output is float0; the nonzero tangent is the rule's.
+  x = jnp.array([0.5, 2.0, -1.0])
+  ours = jax.jvp(autocast(_sin_cos_argmax), (x,), (jnp.ones(3),))
+  theirs = jax.jvp(_sin_cos_argmax, (x,), (jnp.ones(3),))
+  (t0, t1, t2), (r0, r1, r2) = ours[1], theirs[1]
+  np.testing.assert_array_equal(np.asarray(t0), np.asarray(r0))
+  assert t1.dtype == F32 and t1.shape == (3,)
+  np.testing.assert_array_equal(np.asarray(t1), np.asarray(r1))
+  np.testing.assert_array_equal(np.asarray(t1), np.zeros(3, np.float32))
+  assert t2.dtype == r2.dtype == jax.dtypes.float0
+
+
+# -- dispatch and the lower-precision flags ---------------------------------------------
+
+
+def test_primitives_with_declared_dtypes_get_their_operands_back_in_them():
+  # scatter-add (it carries an update jaxpr), a scalar reduce_precision and a host
+  # callback (several results) run on their operands cast back to the declared float32.
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  i = jnp.array([0, 2], dtype=jnp.int32)
+  spec = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+
+  def f(x, w, i):
+    h = x @ w  # float16
+    acc = jnp.zeros((3, 4), jnp.float32).at[i].add(h)
+    r = lax.reduce_precision(h[0, 0].astype(jnp.float32) * 1.0, exponent_bits=5, mantissa_bits=2)
+    cb = jax.pure_callback(lambda a: (np.asarray(a) * 2).astype(np.float32), spec, h)
+    return acc, r, cb
+
+  names = {e.primitive.name for e in jax.make_jaxpr(f)(x, w, i).jaxpr.eqns}
+  assert {"scatter-add", "reduce_precision", "pure_callback"} <= names, names
+  acc, r, cb = autocast(f)(x, w, i)
+  h = (x.astype(F16) @ w.astype(F16)).astype(F32)
+  assert acc.dtype == r.dtype == cb.dtype == F32 and r.shape == ()
+  np.testing.assert_array_equal(np.asarray(acc), np.asarray(jnp.zeros((3, 4)).at[i].add(h)))
+  np.testing.assert_array_equal(
+    np.asarray(r), np.asarray(lax.reduce_precision(h[0, 0], exponent_bits=5, mantissa_bits=2))
+  )
+  np.testing.assert_array_equal(np.asarray(cb), np.asarray(h) * 2)
+
+
+def test_a_lower_op_whose_result_is_float32_is_not_a_lower_precision_result():
+  # A convert forced into the lower list still returns float32: it is not a contraction's
+  # result, so the float32 vector it makes stays a bias that the matmul's add keeps float16.
+  x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,), F16)
+  # Broadcast first, then converted: the add sees the convert's result (rank 1 at source).
+  f = lambda x, w, b: x @ w + jnp.broadcast_to(b, (2, 4)).astype(jnp.float32)
+  out = autocast(f, policy={"convert_element_type": "lower"})(x, w, b)
+  assert out.dtype == F16
+  ref = x.astype(F16) @ w.astype(F16) + b
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_an_activation_of_a_matmul_plus_a_vector_promotes_as_torch():
+  # tanh(x @ w) is float16 but no longer the contraction's result: a float32 vector added
+  # to it is no bias, and promotes as in torch (float16 + float32, both dimensioned).
+  torch = pytest.importorskip("torch")
+  x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,))
+  out = autocast(lambda x, w, b: jnp.tanh(x @ w) + b)(x, w, b)
+  assert out.dtype == F32
+  ref = jnp.tanh(x.astype(F16) @ w.astype(F16)).astype(F32) + b
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  t = lambda a: torch.from_numpy(np.array(a))
+  with torch.autocast("cpu", dtype=torch.float16):
+    assert (torch.tanh(torch.nn.functional.linear(t(x), t(w).T)) + t(b)).dtype == torch.float32
+
+
+def test_a_python_scalar_added_to_a_matmul_keeps_it_float16():
+  # The scalar is a jaxpr literal: it promotes nothing, and is no bias either.
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  out = autocast(lambda x, w: x @ w + 1.5)(x, w)
+  assert out.dtype == F16
+  ref = x.astype(F16) @ w.astype(F16) + jnp.float16(1.5)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@jax.custom_vjp
+def _times_count(x, n):
+  return x * n.astype(x.dtype)
+
+
+def _times_count_fwd(x, n):
+  return _times_count(x, n), n
+
+
+def _times_count_bwd(n, g):
+  # The cotangent of an integer argument written out as float0 zeros (not None).
+  return g * n.astype(g.dtype), np.zeros(np.shape(n), jax.dtypes.float0)
+
+
+_times_count.defvjp(_times_count_fwd, _times_count_bwd)
+
+
+def test_a_custom_vjp_backwards_float0_cotangent_for_an_integer_argument_is_dropped():
+  x, w, n = _rand(0, (2, 3)), _rand(1, (3, 4)), jnp.int32(3)
+  f = lambda x, w, n: jnp.sum(_times_count(x @ w, n).astype(jnp.float32))
+  gw, gn = jax.grad(autocast(f), argnums=(1, 2), allow_int=True)(x, w, n)
+  assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
+  ref = jax.grad(lambda w: jnp.sum((x.astype(F16) @ w.astype(F16) * jnp.float16(3)).astype(F32)))(w)
+  np.testing.assert_array_equal(np.asarray(gw), np.asarray(ref))
