@@ -129,6 +129,14 @@ def test_the_scale_band_is_validated_naming_its_ends():
     jls.DynamicScaleConfig(init_scale=2.0, min_scale=4.0, max_scale=2.0)
 
 
+def test_init_scale_may_be_the_smallest_normal_or_the_largest_float32():
+  tiny, huge = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+  assert jls.DynamicScaleConfig(init_scale=tiny, min_scale=tiny).init_scale == tiny
+  assert jls.DynamicScaleConfig(init_scale=huge).init_scale == huge
+  with pytest.raises(ValueError, match="init_scale must be a normal float32"):
+    jls.DynamicScaleConfig(init_scale=tiny / 2)
+
+
 def test_from_config_refuses_anything_but_a_config():
   with pytest.raises(ValueError, match="config must be a DynamicScaleConfig, got dict"):
     jls.DynamicScaleState.from_config({"init_scale": 2.0})

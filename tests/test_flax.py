@@ -332,3 +332,47 @@ def test_create_passes_subclass_fields_through():
     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), extra=7
   )
   assert state.extra == 7
+
+
+def test_create_without_a_dynamic_scale_uses_torchs_defaults():
+  state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+  assert float(state.dynamic_scale.scale) == 2.0**16
+  assert state.dynamic_scale.config == jls.DynamicScaleState.create().config
+
+
+def test_the_states_value_and_grad_passes_argnums():
+  state = TrainState.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=optax.sgd(0.1),
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=8.0),
+  )
+  f = lambda p, x: jnp.sum(p["w"] * x**2)
+  out = state.value_and_grad(f, argnums=1)(state.params, jnp.array([1.0, 3.0]))
+  np.testing.assert_array_equal(out.grads, np.array([2.0, 6.0], np.float32))
+
+
+class _StateWithStats(TrainState):
+  batch_stats: dict = struct.field(default_factory=dict)
+
+
+@pytest.mark.parametrize("g", [1.0, float("inf")], ids=["finite", "skipped"])
+def test_apply_gradients_replaces_other_fields_on_every_step(g):
+  state = _StateWithStats.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=optax.sgd(0.5),
+    batch_stats={"mean": jnp.zeros(2)},
+  )
+  new = state.apply_gradients(grads={"w": jnp.full(2, g)}, batch_stats={"mean": jnp.ones(2)})
+  np.testing.assert_array_equal(new.batch_stats["mean"], np.ones(2, np.float32))
+  assert int(new.step) == (1 if g == 1.0 else 0)
+
+
+def test_apply_gradients_keeps_a_frozen_param_without_a_gradient():
+  params = {"w": jnp.ones(2, jnp.float16), "frozen": jnp.full(3, 7.0)}
+  state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.5))
+  new = state.apply_gradients(grads={"w": jnp.full(2, 2.0, jnp.float32), "frozen": None})
+  assert new.params["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(new.params["w"], np.zeros(2, np.float16))
+  np.testing.assert_array_equal(new.params["frozen"], np.full(3, 7.0, np.float32))

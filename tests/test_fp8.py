@@ -88,6 +88,20 @@ def test_fp8_dense_trains_through_trainstate_as_without_scaling():
   _check_against_reference(state.params, _unscaled_reference())
 
 
+def test_the_optimizer_state_covers_the_params_not_the_fp8_meta():
+  # The momentum is built for variables["params"] only, as Flax's TrainState does, and a
+  # step updates it.
+  model, variables, loss_fn = _problem()
+  tx = optax.sgd(0.1, momentum=0.9)
+  state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  trace = state.opt_state[0].trace
+  assert jax.tree_util.tree_structure(trace) == jax.tree_util.tree_structure(variables["params"])
+  out = state.value_and_grad(loss_fn)(state.params)
+  new = state.apply_gradients(grads=out.grads, finite=out.finite)
+  assert int(new.step) == 1
+  np.testing.assert_array_equal(new.opt_state[0].trace["bias"], out.grads["params"]["bias"])
+
+
 def test_fp8_dense_trains_through_stock_trainstate_and_dynamic_loss_scale():
   # The scaler inside the optimizer: Flax's apply_gradients strips the fp8 meta
   # before tx.update, and jax.grad never scales it.

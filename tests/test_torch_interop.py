@@ -195,6 +195,26 @@ def test_from_torch_state_dict_rejects_0d_non_numbers():
     jls.torch.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
 
 
+@pytest.mark.parametrize("key", ["growth_interval", "_growth_tracker"])
+@pytest.mark.parametrize("value", [10.5, True, np.bool_(True), "10"], ids=repr)
+def test_from_torch_state_dict_names_an_integer_key_that_holds_no_integer(key, value):
+  with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] must be an integer, got "):
+    jls.torch.from_torch_state_dict({**GOOD, key: value})
+
+
+def test_from_torch_state_dict_accepts_the_largest_int32_tracker():
+  s = jls.torch.from_torch_state_dict({**GOOD, "_growth_tracker": 2**31 - 1})
+  assert int(s.growth_tracker) == 2**31 - 1
+  with pytest.raises(ValueError, match=r"must be in \[0, 2\*\*31 - 1\], got 2147483648"):
+    jls.torch.from_torch_state_dict({**GOOD, "_growth_tracker": 2**31})
+
+
+def test_from_torch_state_dict_takes_the_settings_torch_does_not_hold():
+  s = jls.torch.from_torch_state_dict(GOOD, min_scale=2.0, max_scale=2.0**20, hysteresis=3)
+  assert (s.config.min_scale, s.config.max_scale, s.config.hysteresis) == (2.0, 2.0**20, 3)
+  assert int(s.hysteresis_tracker) == 3
+
+
 @pytest.mark.parametrize("wrap", [_numpy_0d, _torch_0d], ids=["numpy-0d-array", "torch-0d-tensor"])
 def test_from_torch_state_dict_rejects_0d_bools(wrap):
   with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
