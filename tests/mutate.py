@@ -21,6 +21,12 @@ with ``--head``; one copy per job, the checkout itself is never modified),
 runs its tests with ``pytest -x -q -p no:cacheprovider`` importing the
 package from the copy, and restores the file.
 
+Results are cached under ``.mutate-cache/``: a result is reused for the same
+package and the same tests; a kill is also reused for the same package while
+the killing test's code (its test file without the other tests) is the same,
+so adding tests re-runs only the survivors and the kills they could affect.
+``--no-result-cache`` runs everything.
+
 A mutant is *killed* when its tests fail (or time out), *survived* when they
 pass (or when no test runs its line), and *equivalent* when it survives and
 its name is explained in ``EQUIVALENT`` (generated) or carries an
@@ -49,12 +55,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -260,7 +268,8 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
     f"{seconds / 60:.1f} min in all"
     + (
-      f" ({n_cached} results reused from an earlier run of the same sources)."
+      f" ({n_cached} results reused from earlier runs: the same package, and the same tests "
+      "or the same killing test)."
       if (n_cached := sum(bool(r.get("cached")) for r in results))
       else "."
     ),
@@ -369,6 +378,49 @@ def _result_key(copy: str, task: dict, mutated: bytes) -> str:
   return h.hexdigest()[:24]
 
 
+def _package_key(copy: str, task: dict, mutated: bytes) -> str:
+  """A hash of the mutant and the package it lives in (every module, conftest), not the tests."""
+  h = hashlib.sha256(task["name"].encode() + b"\0" + mutated)
+  for rel in [f for f in mutagen.package_modules(copy) if f != task["file"]] + [
+    "tests/conftest.py"
+  ]:
+    with open(os.path.join(copy, rel), "rb") as f:
+      h.update(rel.encode() + f.read())
+  return h.hexdigest()[:24]
+
+
+def _killer(output: str) -> str | None:
+  """The node id of the test that failed first, from pytest's short summary."""
+  found = re.search(r"(?:FAILED|ERROR) (tests/\S+\.py::\S+)", output)
+  return found.group(1) if found else None
+
+
+def killer_source_hash(root: str, nodeid: str) -> str | None:
+  """A hash of what one test runs: its test file without the *other* tests' definitions.
+
+  The file's imports, helpers, fixtures and constants count, and the test's
+  own function (or class) with its decorators; other ``test_*`` functions and
+  ``Test*`` classes do not, so adding or editing another test keeps the hash.
+  Formatting and comments do not count (``ast.dump``). ``None`` if the test is
+  not found.
+  """
+  path, _, rest = nodeid.partition("::")
+  own = rest.split("::")[0].split("[")[0]
+  try:
+    with open(os.path.join(root, path)) as f:
+      tree = ast.parse(f.read())
+  except (OSError, SyntaxError):
+    return None
+  is_test = lambda n: (
+    (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name.startswith("test"))
+    or (isinstance(n, ast.ClassDef) and n.name.startswith("Test"))
+  )
+  kept = [n for n in tree.body if not is_test(n) or n.name == own]
+  if not any(is_test(n) and n.name == own for n in kept):
+    return None
+  return hashlib.sha256("\n".join(ast.dump(n) for n in kept).encode()).hexdigest()[:24]
+
+
 def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) -> dict:
   copy = copies.get()
   try:
@@ -382,6 +434,15 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) 
     if use_cache and os.path.exists(cached):
       with open(cached) as f:
         return dict(task, **json.load(f), cached=True)
+    # A kill is reused while the package is the same and the killing test
+    # still runs the same code: tests added or changed elsewhere cannot
+    # un-kill it. A survivor is always run again when its tests change.
+    kill_record = os.path.join(CACHE, "kills", _package_key(copy, task, mutated) + ".json")
+    if use_cache and os.path.exists(kill_record):
+      with open(kill_record) as f:
+        kill = json.load(f)
+      if kill["killer_hash"] == killer_source_hash(copy, kill["killer"]):
+        return dict(task, rc=kill["rc"], output=kill["output"], seconds=0.0, cached=True)
     with open(path, "wb") as f:
       f.write(mutated)
     try:
@@ -401,6 +462,12 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) 
       os.makedirs(os.path.dirname(cached), exist_ok=True)
       with open(cached, "w") as f:
         json.dump(dict(rc=rc, output=output, seconds=dt), f)
+      killer = _killer(output) if rc != 0 else None
+      killer_hash = killer_source_hash(copy, killer) if killer else None
+      if killer_hash:
+        os.makedirs(os.path.dirname(kill_record), exist_ok=True)
+        with open(kill_record, "w") as f:
+          json.dump(dict(rc=rc, output=output, killer=killer, killer_hash=killer_hash), f)
     return dict(task, rc=rc, output=output, seconds=dt)
   finally:
     copies.put(copy)
