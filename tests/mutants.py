@@ -1056,6 +1056,24 @@ EQUIVALENT: dict[str, str] = {
     "integer argument into float0, the same cotangents (checked by experiment: float and "
     "int arguments, allow_int)"
   ),
+  # _state, _transform, flax
+  "_state:get_scale_state:if-false:183c": (
+    "scale_states of a DynamicScaleState itself is [('', state)], so the search returns the "
+    "state as the fast path does"
+  ),
+  "_transform:_cast_updates:drop-kwarg:is_leaf:be56": (
+    "without is_leaf a None gradient is an empty subtree that tree_map keeps as None, which "
+    "is what the lambda gives it"
+  ),
+  "flax:_apply_updates.apply:drop-kwarg:key:26ff": (
+    "compute_dtype gives float32 or float64 only, and numpy orders those two dtypes as their "
+    "itemsizes do (float64 > float32), so max picks the same dtype"
+  ),
+  "flax:_apply_updates:drop-kwarg:is_leaf:816c": (
+    "params is the first tree: without is_leaf a None param is an empty subtree (updates has "
+    "None there too) kept as None, and a param whose update is None still reaches apply, "
+    "which returns it"
+  ),
 }
 
 
