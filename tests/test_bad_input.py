@@ -198,8 +198,11 @@ def test_bad_config_values_name_the_argument(bad):
 
 
 def test_integer_loss_is_rejected():
-  with pytest.raises(ValueError, match="loss must be a floating-point"):
+  # A single loss gets no location; a loss inside a tree is named by its path.
+  with pytest.raises(ValueError, match=r"floating-point array, got dtype int32\. Scale only"):
     jls.scale_loss(jnp.asarray(3, jnp.int32), jls.DynamicScaleState.create())
+  with pytest.raises(ValueError, match=r"got dtype int32 \(at loss\['n'\]\)\. Scale only"):
+    jls.scale_loss({"l": jnp.float32(1), "n": jnp.int32(3)}, jls.DynamicScaleState.create())
 
 
 # --- NaN loss on every step ---------------------------------------------------------

@@ -245,6 +245,16 @@ def test_a_frozen_param_without_a_gradient_gets_no_update(maybe_jit):
   assert int(state.loss_scale.skipped_steps) == 0
 
 
+def test_float16_gradients_of_bfloat16_params_stay_float16(maybe_jit):
+  # The param's dtype wins only when it is wider: bfloat16 is as wide as float16.
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
+  updates, _ = maybe_jit(tx.update)(
+    {"w": jnp.full((2,), 4.0, jnp.float16)}, tx.init(params), params
+  )
+  assert updates["w"].dtype == jnp.float16 and float(updates["w"][0]) == -0.5
+
+
 def test_float32_gradients_of_float16_params_stay_float32(maybe_jit):
   params = {"w": jnp.ones(2, jnp.float16)}
   tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=4.0)
