@@ -1074,6 +1074,10 @@ EQUIVALENT: dict[str, str] = {
     "None there too) kept as None, and a param whose update is None still reaches apply, "
     "which returns it"
   ),
+  "_transform:_the_scale:if-true:b928": (
+    "as _state:get_scale_state:if-false:183c: scale_states of a DynamicScaleState itself is "
+    "[('', state)], the list the fast path builds"
+  ),
 }
 
 
