@@ -105,18 +105,26 @@ def test_integer_and_bool_leaves_take_no_part_in_the_check(maybe_jit):
 
 @pytest.mark.parametrize(
   "step",
-  ["dynamic_loss_scale", "static_loss_scale", "no_loss_scale", "unscale_and_check", "all_finite"],
+  [
+    "dynamic_loss_scale",
+    "static_loss_scale",
+    "no_loss_scale",
+    "multi_steps",
+    "unscale_and_check",
+    "all_finite",
+  ],
 )
 def test_complex_gradients_are_refused_naming_the_leaf(step, maybe_jit):
   # A complex leaf would pass through like an integer one: still scaled, never checked
   # (an inf gradient applied instead of a skipped step). It is refused instead.
   params = {"w": jnp.ones(2), "z": jnp.ones(2, jnp.complex64)}
   grads = {"w": jnp.ones(2), "z": jnp.array([4 + 4j, jnp.inf], jnp.complex64)}
-  if step in ("dynamic_loss_scale", "static_loss_scale", "no_loss_scale"):
+  if step in ("dynamic_loss_scale", "static_loss_scale", "no_loss_scale", "multi_steps"):
     tx = {
       "dynamic_loss_scale": lambda: jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0),
       "static_loss_scale": lambda: jls.static_loss_scale(optax.sgd(1.0), 4.0),
       "no_loss_scale": lambda: jls.no_loss_scale(optax.sgd(1.0)),
+      "multi_steps": lambda: jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(1.0)), 2),
     }[step]()
     run = lambda: maybe_jit(tx.update)(grads, tx.init(params), params)
   elif step == "unscale_and_check":
@@ -125,6 +133,21 @@ def test_complex_gradients_are_refused_naming_the_leaf(step, maybe_jit):
     run = lambda: maybe_jit(jls.all_finite)(grads)
   with pytest.raises(TypeError, match=r"gradient leaf \['z'\] is complex64: complex gradients"):
     run()
+
+
+def test_complex_gradients_are_refused_by_an_nnx_optimizer():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.ones(2))
+      self.z = nnx.Param(jnp.ones(2, jnp.complex64))
+
+  model = Model()
+  opt = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(1.0)), wrt=nnx.Param)
+  grads = jax.tree_util.tree_map(lambda p: p * 4, nnx.state(model, nnx.Param))
+  with pytest.raises(TypeError, match=r"gradient leaf .*'z'.* is complex64"):
+    opt.update(model, grads)
 
 
 def test_complex_gradients_are_refused_by_the_flax_paths():

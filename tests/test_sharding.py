@@ -450,11 +450,13 @@ def test_init_leaves_host_values_of_an_inner_state_as_they_are(axis_type):
   _assert_replicated_on(jls.get_scale_state(state), mesh)
 
 
-def test_init_replicates_on_a_one_device_mesh_too():
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_init_replicates_on_a_one_device_mesh_too(axis_type):
   """A one-device mesh is a mesh: the scaler's scalars are placed on it like the params."""
-  mesh = jax.make_mesh((1,), ("d",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
-  params = {"w": jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("d")))}
-  state = jls.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+  mesh = jax.make_mesh((1,), ("d",), axis_types=(axis_type,), devices=jax.devices()[:1])
+  with _in_mesh(mesh):
+    params = {"w": jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("d")))}
+    state = jls.dynamic_loss_scale(optax.sgd(0.1)).init(params)
   _assert_replicated_on(jls.get_scale_state(state), mesh)
 
 
