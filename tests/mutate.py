@@ -368,22 +368,6 @@ def _generated_task(
   )
 
 
-def _result_key(copy: str, task: dict, mutated: bytes) -> str:
-  """A hash of what decides a mutant's result: the mutated package, its tests' files, conftest."""
-  h = hashlib.sha256(task["name"].encode() + mutated)
-  files = [f for f in mutagen.package_modules(copy) if f != task["file"]]
-  files += sorted({t.split("::")[0] for t in task["tests"] if t.endswith(".py") or "::" in t})
-  files += ["tests/conftest.py"]
-  for rel in files:
-    path = os.path.join(copy, rel)
-    if os.path.isfile(path):
-      with open(path, "rb") as f:
-        h.update(rel.encode() + f.read())
-  h.update("\0".join(task["tests"]).encode())
-  h.update(b"\1" + "\0".join(task.get("more_tests", ())).encode())
-  return h.hexdigest()[:24]
-
-
 def _package_key(copy: str, task: dict, mutated: bytes) -> str:
   """A hash of the mutant and the package it lives in (every module, conftest), not the tests."""
   h = hashlib.sha256(task["name"].encode() + b"\0" + mutated)
@@ -392,6 +376,20 @@ def _package_key(copy: str, task: dict, mutated: bytes) -> str:
   ]:
     with open(os.path.join(copy, rel), "rb") as f:
       h.update(rel.encode() + f.read())
+  return h.hexdigest()[:24]
+
+
+def _result_key(copy: str, task: dict, package_key: str) -> str:
+  """A hash of what decides a mutant's result: the mutated package, its tests and their files."""
+  h = hashlib.sha256(package_key.encode())
+  tests = (*task["tests"], *task.get("more_tests", ()))
+  for rel in sorted({t.split("::")[0] for t in tests if t.endswith(".py") or "::" in t}):
+    path = os.path.join(copy, rel)
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        h.update(rel.encode() + f.read())
+  h.update("\0".join(task["tests"]).encode())
+  h.update(b"\1" + "\0".join(task.get("more_tests", ())).encode())
   return h.hexdigest()[:24]
 
 
@@ -436,14 +434,15 @@ def _run_task(task: dict, copies: queue.Queue, timeout: float, use_cache: bool) 
     if not task["tests"]:
       return dict(task, rc=0, output="no test runs this line", seconds=0.0)
     mutated = task["apply"](original)
-    cached = os.path.join(CACHE, "results", _result_key(copy, task, mutated) + ".json")
+    package_key = _package_key(copy, task, mutated)
+    cached = os.path.join(CACHE, "results", _result_key(copy, task, package_key) + ".json")
     if use_cache and os.path.exists(cached):
       with open(cached) as f:
         return dict(task, **json.load(f), cached=True)
     # A kill is reused while the package is the same and the killing test
     # still runs the same code: tests added or changed elsewhere cannot
     # un-kill it. A survivor is always run again when its tests change.
-    kill_record = os.path.join(CACHE, "kills", _package_key(copy, task, mutated) + ".json")
+    kill_record = os.path.join(CACHE, "kills", package_key + ".json")
     if use_cache and os.path.exists(kill_record):
       with open(kill_record) as f:
         kill = json.load(f)
