@@ -323,12 +323,13 @@ def test_value_and_grad_forwards_keyword_arguments():
   np.testing.assert_array_equal(out.grads, np.array([6.0, 12.0], np.float32))
 
 
-class _StateWithField(TrainState):
+class _StateWithFields(TrainState):
   extra: int = struct.field(pytree_node=False, default=0)
+  batch_stats: dict = struct.field(default_factory=dict)
 
 
 def test_create_passes_subclass_fields_through():
-  state = _StateWithField.create(
+  state = _StateWithFields.create(
     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), extra=7
   )
   assert state.extra == 7
@@ -352,13 +353,9 @@ def test_the_states_value_and_grad_passes_argnums():
   np.testing.assert_array_equal(out.grads, np.array([2.0, 6.0], np.float32))
 
 
-class _StateWithStats(TrainState):
-  batch_stats: dict = struct.field(default_factory=dict)
-
-
 @pytest.mark.parametrize("g", [1.0, float("inf")], ids=["finite", "skipped"])
 def test_apply_gradients_replaces_other_fields_on_every_step(g):
-  state = _StateWithStats.create(
+  state = _StateWithFields.create(
     apply_fn=None,
     params={"w": jnp.ones(2)},
     tx=optax.sgd(0.5),
