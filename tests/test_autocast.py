@@ -5,6 +5,7 @@ import functools
 from conftest import import_optional
 import jax
 from jax import lax
+import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -15,14 +16,15 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale._autocast import AutocastError
+from jax_lossscale._autocast import UnsupportedPrimitiveError
 from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import float32
-from jax_lossscale._autocast_policy import DEFAULT_POLICY
-from jax_lossscale._autocast_policy import FLOAT32
-from jax_lossscale._autocast_policy import LOWER
-from jax_lossscale._autocast_policy import POLICY_TABLE
-from jax_lossscale._autocast_policy import PROMOTE
-from jax_lossscale._autocast_policy import autocast_policy
+from jax_lossscale._autocast._policy import DEFAULT_POLICY
+from jax_lossscale._autocast._policy import FLOAT32
+from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import POLICY_TABLE
+from jax_lossscale._autocast._policy import PROMOTE
+from jax_lossscale._autocast._policy import autocast_policy
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -142,16 +144,18 @@ def test_promotion_follows_torch_categories():
   x = X
   r = jnp.float32(2.0)  # a rank-0 float32 array (not weak)
 
-  def f(x, r):
+  def f(x, r, y):
     h = x @ x.T  # float16
-    return h + h, h + x @ x.T.astype(jnp.float32), h * 2.0, h * r, h + jnp.ones_like(h)
+    return h + h, h + x @ x.T.astype(jnp.float32), h * 2.0, h * r, h + y, h + jnp.ones_like(h)
 
-  same, both16, weak, rank0, full32 = autocast(f)(x, r)
+  y = jnp.ones((X.shape[0], X.shape[0]))
+  same, both16, weak, rank0, full32, like = autocast(f)(x, r, y)
   assert same.dtype == F16
   assert both16.dtype == F16
   assert weak.dtype == F16  # a Python scalar promotes nothing (torch: tensor * 2.0)
   assert rank0.dtype == F16  # a 0-dim tensor does not promote a dimensioned one
   assert full32.dtype == F32  # fp16 + full-size fp32 tensor -> fp32
+  assert like.dtype == F16  # a constant takes the activation's dtype (torch: ones_like(h))
 
 
 def test_bias_add_is_part_of_the_matmul_but_a_residual_promotes():
@@ -803,14 +807,31 @@ def test_nested_autocast_keeps_the_inner_policy():
 
 
 def test_unknown_higher_order_primitive_raises_naming_it_and_the_fix():
+  # A higher-order primitive the kind table does not know (a new JAX primitive).
+  hop = jex.Primitive("my_new_hop")
+  hop.def_impl(lambda x, *, jaxpr: jex.jaxpr_as_fun(jaxpr)(x)[0])
+  hop.def_abstract_eval(lambda x, *, jaxpr: x)
+  inner = jax.make_jaxpr(jnp.sin)(jnp.ones(4))
+
+  def f(x):
+    return hop.bind(x @ x.T, jaxpr=inner)
+
+  with pytest.raises(UnsupportedPrimitiveError, match=r"`my_new_hop` \(at .*test_autocast\.py"):
+    autocast(f)(XS)
+  with pytest.raises(AutocastError, match=r"jax_lossscale\.float32"):
+    autocast(f)(XS)
+
+
+def test_a_linear_solve_runs_as_written():
   def f(x, w):
     a = x.T @ x + 4 * jnp.eye(4)
     return lax.custom_linear_solve(lambda v: a @ v, w[0], lambda mv, b: b / jnp.diag(a))
 
-  with pytest.raises(AutocastError, match=r"`custom_linear_solve`.*jax_lossscale\.float32"):
-    autocast(f)(XS, W)
-  out = autocast(float32(f))(XS, W)  # the region excluded: runs as written
-  np.testing.assert_array_equal(out, jax.jit(f)(XS, W))
+  out = autocast(f)(XS, W)  # its matvec and solve run on their declared float32 inputs
+  assert out.dtype == F32
+  names = {e.primitive.name for e in jax.make_jaxpr(autocast(f))(XS, W).eqns[0].params["jaxpr"].eqns}
+  assert "custom_linear_solve" in names
+  np.testing.assert_allclose(out, jax.jit(f)(XS, W), rtol=2e-3)  # a is a float16 matmul
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,37 @@ registered for CUDA in ``autocast_mode.cpp``. Each row of :data:`POLICY_TABLE` n
 the lax primitive, the list it joins here, and the torch entries it stands for.
 
 A primitive that is in no row runs in the dtypes of its operands, with the promotion
-rule of :mod:`jax_lossscale._autocast` when float operands disagree: that is what
-torch does for an op in none of its lists (``add``, ``mul``, ``tanh``, ``max``...).
+rule of :mod:`jax_lossscale._autocast._interpreter` when float operands disagree: that
+is what torch does for an op in none of its lists (``add``, ``mul``, ``tanh``, ``max``...).
+Which primitives have which structural kind (layout, collective, higher-order, opaque)
+is :mod:`jax_lossscale._autocast._primitives`' table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+import difflib
 import types
+from typing import Any
 from typing import NamedTuple
+
+import jax.extend.core as jex
+
+from jax_lossscale._autocast import _primitives as prims
+
+__all__ = (
+  "COMPOSITE_RULES",
+  "DEFAULT_POLICY",
+  "FLOAT32",
+  "FLOAT32_COMPUTE",
+  "LOWER",
+  "POLICY_TABLE",
+  "PROMOTE",
+  "RULES",
+  "PolicyRow",
+  "autocast_policy",
+  "check_policy",
+)
 
 #: Run in the autocast dtype (float16 or bfloat16): float32 operands are cast down.
 LOWER = "lower"
@@ -23,8 +46,14 @@ FLOAT32 = "float32"
 #: Run in the widest float dtype of the operands (torch's promote list, and the
 #: rule for every primitive in no list).
 PROMOTE = "promote"
+#: A composite op only (:func:`jax_lossscale.autocast_op`): compute in float32 and return
+#: the primary input's dtype, as cuDNN's batch norm does under torch's autocast.
+FLOAT32_COMPUTE = "float32_compute"
 
+#: The rules a primitive can have.
 RULES = (LOWER, FLOAT32, PROMOTE)
+#: The rules a composite op can have.
+COMPOSITE_RULES = (LOWER, FLOAT32, PROMOTE, FLOAT32_COMPUTE)
 
 
 class PolicyRow(NamedTuple):
@@ -108,10 +137,62 @@ POLICY_TABLE: tuple[PolicyRow, ...] = (
   ),
 )
 
-_DEFAULT = {row.primitive: row.rule for row in POLICY_TABLE}
 
-#: The default policy as a read-only mapping: primitive name -> rule.
-DEFAULT_POLICY: types.MappingProxyType[str, str] = types.MappingProxyType(_DEFAULT)
+#: The default policy as a read-only mapping: primitive -> rule, keyed by the
+#: ``Primitive`` objects of the installed JAX.
+DEFAULT_POLICY: types.MappingProxyType[jex.Primitive, str] = types.MappingProxyType(
+  {prims.resolve(row.primitive): row.rule for row in POLICY_TABLE}
+)
+
+
+def nearest(name: str, names: Any) -> str:
+  """``"; did you mean 'exp', 'expm1'?"`` for the closest of ``names``, or ``""``."""
+  close = difflib.get_close_matches(name, sorted(names), n=3, cutoff=0.6)
+  return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def check_policy(policy: Mapping[Any, str] | None) -> dict[jex.Primitive, str]:
+  """The default policy with ``policy``'s overrides, keyed by ``Primitive`` objects.
+
+  Raises:
+    TypeError: ``policy`` is not a mapping, or a key is neither a primitive nor a str.
+    ValueError: a key names no first-order primitive of the installed JAX, or a rule
+      is not one of :data:`RULES`; the message names the key and the nearest names.
+  """
+  table = dict(DEFAULT_POLICY)
+  if policy is None:
+    return table
+  if not isinstance(policy, Mapping):
+    raise TypeError(
+      f"policy must be a mapping from a lax primitive (or its name) to one of {RULES}, "
+      f"got {type(policy).__name__}"
+    )
+  for key, rule in policy.items():
+    if isinstance(key, jex.Primitive):
+      prim = key
+    elif isinstance(key, str):
+      found = prims.by_name(key)
+      if found is None:
+        raise ValueError(
+          f"policy: {key!r} is not the name of a primitive of this JAX"
+          f"{nearest(key, prims.first_order_names())}"
+        )
+      prim = found
+    else:
+      raise TypeError(
+        f"policy keys must be lax primitives or their names, got {type(key).__name__}"
+      )
+    if prims.kind(prim) not in prims.RULED_KINDS:
+      raise ValueError(
+        f"policy[{prim.name!r}]: `{prim.name}` is {prims.KIND_DESCRIPTIONS[prims.kind(prim)]}; "
+        "only first-order primitives take a rule"
+      )
+    if not isinstance(rule, str) or rule not in RULES:
+      raise ValueError(
+        f"policy[{prim.name!r}] must be one of {RULES}, got {rule!r}{nearest(str(rule), RULES)}"
+      )
+    table[prim] = rule
+  return table
 
 
 def autocast_policy() -> tuple[PolicyRow, ...]:
@@ -126,7 +207,7 @@ def autocast_policy() -> tuple[PolicyRow, ...]:
     The rows, in the order of the guide's table.
 
   Examples:
-    >>> from jax_lossscale._autocast_policy import autocast_policy
+    >>> from jax_lossscale import autocast_policy
     >>> {row.primitive: row.rule for row in autocast_policy()}["dot_general"]
     'lower'
     >>> {row.primitive: row.rule for row in autocast_policy()}["exp"]

@@ -1,0 +1,221 @@
+"""``autocast`` and ``float32``: the public functions over the interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Mapping
+import functools
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._autocast import _composite
+from jax_lossscale._autocast._interpreter import AUTOCAST_MARK
+from jax_lossscale._autocast._interpreter import ELIGIBLE
+from jax_lossscale._autocast._interpreter import FLOAT32_MARK
+from jax_lossscale._autocast._interpreter import Facts
+from jax_lossscale._autocast._interpreter import Interpreter
+from jax_lossscale._autocast._interpreter import Val
+from jax_lossscale._autocast._policy import check_policy
+from jax_lossscale._typing import DTypeLike
+
+__all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32")
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _check_dtype(dtype) -> np.dtype:
+  try:
+    dt = np.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"dtype must be a float dtype, got {dtype!r}") from e
+  if dt not in ELIGIBLE:
+    raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dt}")
+  return dt
+
+
+def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
+  """Calls ``fun(*args, **kwargs)`` inside a ``jit`` named ``name``, over the arrays.
+
+  Leaves that are not arrays are held static. The ``jit`` object is kept in ``cache``
+  under the static part when that part is hashable, so a second eager call neither
+  retraces nor recompiles.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  dyn_idx = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+  template = [None if i in dyn_idx else x for i, x in enumerate(leaves)]
+  try:
+    key = (treedef, dyn_idx, tuple((type(x), x) for x in template))  # 1 is not True
+    hash(key)
+  except TypeError:
+    key = None
+  jitted = cache.get(key) if key is not None else None
+  if jitted is None:
+
+    def region(*dyn):
+      full = list(template)
+      for i, x in zip(dyn_idx, dyn, strict=True):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      return fun(*a, **k)
+
+    region.__name__ = name
+    region.__qualname__ = name
+    jitted = jax.jit(region)
+    if key is not None:
+      if len(cache) >= 64:
+        cache.pop(next(iter(cache)))
+      cache[key] = jitted
+  return jitted(*[leaves[i] for i in dyn_idx])
+
+
+class AutocastSpec(NamedTuple):
+  """What an :func:`autocast` function was built from (its ``autocast_spec`` attribute).
+
+  Attributes:
+    fun: the function as written (the float32 model).
+    dtype: the lower-precision dtype.
+    policy: the overrides given, or ``None``.
+  """
+
+  fun: Callable[..., Any]
+  dtype: np.dtype
+  policy: Mapping[Any, str] | None
+
+
+def autocast(
+  fun: Callable[..., Any],
+  dtype: DTypeLike = jnp.float16,
+  policy: Mapping[Any, str] | None = None,
+) -> Callable[..., Any]:
+  """Runs ``fun`` under torch's CUDA autocast policy, mapped to lax primitives.
+
+  The returned function takes ``fun``'s arguments. It traces ``fun`` to a jaxpr and
+  evaluates it again with casts inserted: contractions and convolutions run in
+  ``dtype``; exp, log, pow, rsqrt, the sums and the other float32-list primitives run
+  in float32; everything else runs in the dtypes of its operands (promoting as torch
+  does, with a bias added onto a matmul kept in the matmul's dtype). Integer and bool
+  arrays are never cast; float32 arrays are cast only where a lower-precision
+  primitive consumes them, so gradients come back in each input's own dtype.
+
+  It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.shard_map``, and
+  recurses into ``jit``, ``custom_jvp``, ``custom_vjp``, ``checkpoint``, ``scan``,
+  ``while_loop``, ``cond`` and ``shard_map`` (custom differentiation rules are kept,
+  and evaluated under the policy too; loop carries keep their declared dtypes).
+  Arguments that are not arrays (Python scalars, callables, strings) are held static.
+
+  Args:
+    fun: the function to run.
+    dtype: the lower-precision dtype: ``jnp.float16`` (default) or ``jnp.bfloat16``;
+      ``jnp.float32`` evaluates the same jaxpr with no cast that changes a float32 model.
+    policy: optional overrides, a mapping from a lax primitive (or its name, e.g.
+      ``"exp"``) to ``"lower"``, ``"float32"`` or ``"promote"``.
+
+  Returns:
+    A function with ``fun``'s arguments that returns ``fun``'s outputs, computed under
+    the policy (a float16 matmul returns float16, a float32 loss float32). Its
+    ``autocast_spec`` attribute records ``(fun, dtype, policy)``, so tools such as
+    :func:`jax_lossscale.diagnostics.check_underflow` can run the same model in float32
+    or in another half dtype.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or ``policy`` is not a mapping.
+    ValueError: ``dtype`` is not float16, bfloat16 or float32, or a rule is unknown.
+    AutocastError: at call time, for a higher-order primitive it cannot interpret.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax_lossscale import autocast
+    >>> def dense(x, w, b):
+    ...   return jax.nn.softmax(x @ w + b)
+    >>> x, w, b = jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.zeros((4,))
+    >>> autocast(lambda x, w, b: x @ w + b)(x, w, b).dtype
+    dtype('float16')
+    >>> autocast(dense)(x, w, b).dtype
+    dtype('float32')
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+  dt = _check_dtype(dtype)
+  table = check_policy(policy)
+  interp = Interpreter(dt, table)
+  mark = f"{AUTOCAST_MARK}_{dt.name}"
+
+  def run(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat_fun(*dyn):
+      full = list(leaves)
+      for i, x in zip(dyn_idx, dyn, strict=True):
+        full[i] = x
+      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      return fun(*a, **k)
+
+    dyn = [leaves[i] for i in dyn_idx]
+    with _composite.tracing(dt):
+      closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
+    args_in = [Val(x, Facts(input_rank=np.ndim(x))) for x in dyn]
+    outs = [v.x for v in interp.eval_closed(closed, args_in)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+  cache: dict[Any, Any] = {}
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    return _jit_arrays(run, mark, cache, args, kwargs)
+
+  wrapped.autocast_spec = AutocastSpec(fun, dt, policy)  # type: ignore[attr-defined]
+  return wrapped
+
+
+def autocast_spec(fun: Any) -> AutocastSpec | None:
+  """The :class:`AutocastSpec` of an :func:`autocast` function, or ``None`` for any other."""
+  spec = getattr(fun, "autocast_spec", None)
+  return spec if isinstance(spec, AutocastSpec) else None
+
+
+def float32(fun: Callable) -> Callable:
+  """Marks ``fun`` as a region :func:`autocast` leaves in float32, as written.
+
+  The equivalent of torch's nested ``autocast(enabled=False)`` or
+  ``custom_fwd(cast_inputs=torch.float32)``: inside an autocast function, the region's
+  float inputs are cast back to the dtypes ``fun`` was traced with (float32 for a
+  float32 model) and its primitives run unchanged. Outside autocast it is ``fun``
+  (under a ``jax.jit`` named for the marker, which survives inside ``jit``, ``scan``
+  and the other higher-order primitives).
+
+  Args:
+    fun: the function to keep in float32.
+
+  Returns:
+    A function with ``fun``'s arguments and outputs.
+
+  Raises:
+    TypeError: ``fun`` is not callable.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jax_lossscale import autocast, float32
+    >>> def f(x, w):
+    ...   return float32(lambda a, b: a @ b)(x, w), x @ w
+    >>> kept, cast = autocast(f)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+    >>> kept.dtype, cast.dtype
+    (dtype('float32'), dtype('float16'))
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+  name = f"{FLOAT32_MARK}_{getattr(fun, '__name__', 'region')}".replace("<", "").replace(">", "")
+
+  cache: dict[Any, Any] = {}
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    return _jit_arrays(fun, name, cache, args, kwargs)
+
+  return wrapped

@@ -1,0 +1,432 @@
+"""Composite ops: a function autocast treats as one op with its own rule.
+
+The equivalent of ``torch.library.register_autocast``. :func:`autocast_op` marks a
+function; under :func:`jax_lossscale.autocast` each call is one op: its float inputs are
+cast by its rule, the function is traced again on them (autocast is off inside, as in
+torch's registered ops), and its outputs are what it returns (``"float32_compute"``:
+the outputs shaped like the primary input come back in that input's dtype). Outside
+autocast the function runs unchanged.
+
+The registrations torch implies are shipped: ``jax.nn.dot_product_attention`` runs in the
+lower dtype (torch's ``scaled_dot_product_attention``), picking cuDNN's fused kernel on
+a GPU; the LSTM, GRU and simple RNN cells of Flax linen, NNX and Equinox run in the lower
+dtype (torch's ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``); their batch norms compute
+in float32 and return the input's dtype (cuDNN's ``batch_norm``). They are installed
+only while autocast traces, on the modules already imported.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Iterator
+import contextlib
+import functools
+import itertools
+import sys
+import threading
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_lossscale._autocast._errors import AutocastError
+from jax_lossscale._autocast._interpreter import OP_MARK
+from jax_lossscale._autocast._interpreter import Facts
+from jax_lossscale._autocast._interpreter import Interpreter
+from jax_lossscale._autocast._interpreter import Val
+from jax_lossscale._autocast._interpreter import cast
+from jax_lossscale._autocast._interpreter import is_eligible
+from jax_lossscale._autocast._interpreter import torch_promote
+from jax_lossscale._autocast._policy import COMPOSITE_RULES
+from jax_lossscale._autocast._policy import FLOAT32
+from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
+from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import nearest
+
+__all__ = ("autocast_op", "evaluate", "registrations", "tracing", "tracing_dtype")
+
+#: The autocast dtype while autocast traces its function, else ``None``. It is a JAX
+#: user context, so a ``jax.jit`` traced under autocast is cached apart from the same
+#: ``jax.jit`` traced outside it.
+_TRACING = jax.make_user_context(None)
+
+
+def tracing_dtype() -> np.dtype | None:
+  """The dtype of the autocast whose function is being traced, or ``None``."""
+  value = _TRACING.value
+  return None if value is None else np.dtype(value)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Entry(NamedTuple):
+  fn: Callable[..., Any]
+  rule: str
+  treedef: Any
+  template: tuple[Any, ...]
+  dyn_idx: tuple[int, ...]
+  primary: int | None  # the position in the dynamic leaves of the primary input
+
+
+#: Each traced call of a composite op, by the token in its marker's name. Bounded: a
+#: call whose static arguments cannot be hashed takes a new token each time.
+_REGISTRY: OrderedDict[str, _Entry] = OrderedDict()
+_TOKENS: dict[Any, str] = {}
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+_MAX_ENTRIES = 4096
+
+
+def _register(entry: _Entry, key: Any) -> str:
+  with _LOCK:
+    token = _TOKENS.get(key) if key is not None else None
+    if token is None or token not in _REGISTRY:
+      token = f"{next(_COUNTER)}"
+      if key is not None:
+        _TOKENS[key] = token
+    _REGISTRY[token] = entry
+    _REGISTRY.move_to_end(token)
+    while len(_REGISTRY) > _MAX_ENTRIES:
+      _REGISTRY.popitem(last=False)
+    return token
+
+
+def _rebuild(entry: _Entry, dyn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+  full = list(entry.template)
+  for i, x in zip(entry.dyn_idx, dyn, strict=True):
+    full[i] = x
+  args, kwargs = jax.tree_util.tree_unflatten(entry.treedef, full)
+  return args, kwargs
+
+
+def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
+  floats = [np.dtype(x.dtype) for x in dyn if is_eligible(x.dtype)]
+  if not floats:
+    return dyn
+  if rule == LOWER:
+    target = np.dtype(lower)
+  elif rule in (FLOAT32, FLOAT32_COMPUTE):
+    target = np.dtype(jnp.float32)
+  else:
+    target = torch_promote(floats)
+  return [cast(x, target) if is_eligible(x.dtype) else x for x in dyn]
+
+
+def _restore_primary(entry: _Entry, outs: list[Any], primary: Any) -> list[Any]:
+  if entry.rule != FLOAT32_COMPUTE or primary is None:
+    return outs
+  shape, dtype = tuple(primary.shape), np.dtype(primary.dtype)
+  return [cast(o, dtype) if is_eligible(o.dtype) and tuple(o.shape) == shape else o for o in outs]
+
+
+def _call(entry: _Entry, dyn: list[Any], lower: Any) -> tuple[list[Any], Any]:
+  """The op on ``dyn`` cast by its rule: its flat outputs and their treedef."""
+  primary = dyn[entry.primary] if entry.primary is not None else None
+  args, kwargs = _rebuild(entry, _cast_inputs(entry.rule, dyn, lower))
+  with _TRACING(None):  # autocast is off inside the op: a nested op runs as itself
+    out = entry.fn(*args, **kwargs)
+  leaves, tree = jax.tree_util.tree_flatten(out)
+  return _restore_primary(entry, leaves, primary), tree
+
+
+def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
+  """The interpreter's rule for a composite op's marker equation."""
+  token = str(eqn.params["name"])[len(OP_MARK) :]
+  entry = _REGISTRY.get(token)
+  if entry is None:
+    raise AutocastError(
+      f"autocast met a composite op (token {token}) whose registration is gone: it was "
+      f"traced more than {_MAX_ENTRIES} composite calls ago with unhashable static "
+      "arguments. Make the op's non-array arguments hashable."
+    )
+  outs, _ = _call(entry, [v.x for v in ins], interp.dtype)
+  lowp = entry.rule == LOWER
+  return [
+    Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
+    for o in outs
+  ]
+
+
+def _marker_call(fn: Callable[..., Any], rule: str, primary: int | None, args: Any, kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)`` as a composite op's marker, while autocast traces."""
+  lower = tracing_dtype()
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  dyn_idx = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+  template = tuple(None if i in dyn_idx else x for i, x in enumerate(leaves))
+  primary_pos = None
+  if primary is not None:
+    first = len(jax.tree_util.tree_leaves(args[:primary]))
+    if first in dyn_idx:
+      primary_pos = dyn_idx.index(first)
+  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos)
+  try:
+    key = (fn, rule, treedef, dyn_idx, primary_pos, tuple((type(x), x) for x in template))
+    hash(key)
+  except TypeError:
+    key = None
+  token = _register(entry, key)
+
+  # The declared trace: the rule's casts on the declared dtypes stand in for the real
+  # ones (so a kernel that needs half inputs, like cuDNN's attention, can be traced);
+  # the interpreter replaces this body by the op on the actual dtypes.
+  name = f"{OP_MARK}{token}"
+  out_tree: list[Any] = []
+
+  def traced(*dyn: Any) -> list[Any]:
+    outs, tree = _call(entry, list(dyn), lower)
+    out_tree.append(tree)
+    return outs
+
+  traced.__name__ = name
+  traced.__qualname__ = name
+  flat = jax.jit(traced)(*[leaves[i] for i in dyn_idx])
+  return jax.tree_util.tree_unflatten(out_tree[-1], flat)
+
+
+def autocast_op(
+  fun: Callable[..., Any] | None = None, rule: str = LOWER, *, primary: int = 0
+) -> Any:
+  """Marks ``fun`` as one op of :func:`jax_lossscale.autocast`, with its own rule.
+
+  The equivalent of ``torch.library.register_autocast``. Under autocast each call of the
+  returned function is one op: its float array arguments are cast by ``rule``, ``fun``
+  is traced again on them with autocast off inside (its own casts and its choice of
+  kernel stand), and what it returns is the op's output. Outside autocast the returned
+  function is ``fun``. ``fun`` must be a function of its array arguments (pytrees of
+  arrays, such as an Equinox module, are fine; non-array arguments are static and
+  should be hashable).
+
+  Args:
+    fun: the function; omit it to use ``autocast_op(rule=...)`` as a decorator.
+    rule: ``"lower"`` (float inputs cast to the autocast dtype, as torch's
+      ``lower_precision_fp`` ops), ``"float32"`` (cast to float32), ``"promote"`` (to
+      the widest float dtype among them) or ``"float32_compute"`` (computed in float32;
+      every output shaped like the ``primary`` argument comes back in that argument's
+      dtype, as cuDNN's batch norm).
+    primary: with ``"float32_compute"``, the position of the argument whose dtype the
+      outputs take (default 0).
+
+  Returns:
+    A function with ``fun``'s arguments and outputs.
+
+  Raises:
+    TypeError: ``fun`` is not callable, or ``primary`` is not an int.
+    ValueError: ``rule`` is unknown, or ``primary`` is negative.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> @jls.autocast_op(rule="float32_compute")
+    ... def normalize(x):
+    ...   return (x - x.mean()) / jnp.sqrt(x.var() + 1e-5)
+    >>> w = jnp.ones((4, 4))
+    >>> jls.autocast(lambda x: normalize(x @ w))(jnp.ones((2, 4))).dtype
+    dtype('float16')
+  """
+  if not isinstance(rule, str) or rule not in COMPOSITE_RULES:
+    raise ValueError(f"rule must be one of {COMPOSITE_RULES}, got {rule!r}{nearest(str(rule), COMPOSITE_RULES)}")
+  if isinstance(primary, bool) or not isinstance(primary, int):
+    raise TypeError(f"primary must be an int, got {type(primary).__name__}")
+  if primary < 0:
+    raise ValueError(f"primary must be >= 0, got {primary}")
+  if fun is None:
+    return functools.partial(autocast_op, rule=rule, primary=primary)
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+  return _op_wrapper(fun, rule, primary)
+
+
+def _op_wrapper(fun: Callable[..., Any], rule: str, primary: int) -> Callable[..., Any]:
+  @functools.wraps(fun)
+  def op(*args: Any, **kwargs: Any) -> Any:
+    if tracing_dtype() is None:
+      return fun(*args, **kwargs)
+    return _marker_call(fun, rule, primary if rule == FLOAT32_COMPUTE else None, args, kwargs)
+
+  op.autocast_rule = rule  # type: ignore[attr-defined]
+  return op
+
+
+# -- the registrations torch implies ---------------------------------------------
+
+
+def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
+  def impl(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+    implementation = kwargs.pop("implementation", None)
+    half = np.dtype(query.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+    if implementation is None and half and jax.default_backend() == "gpu":
+      try:  # cuDNN's fused kernel where it takes these shapes, as torch's SDPA picks flash
+        return original(query, key, value, bias, mask, implementation="cudnn", **kwargs)
+      except Exception:  # noqa: BLE001 - an unsupported shape, dtype or cuDNN version
+        pass
+    return original(query, key, value, bias, mask, implementation=implementation, **kwargs)
+
+  impl.__name__ = "dot_product_attention"
+  return _op_wrapper(impl, LOWER, 0)
+
+
+_attention.rule = LOWER  # type: ignore[attr-defined]
+
+
+def _method(rule: str, primary: int | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """A pure module method (an Equinox module is a pytree of its arrays) as one op."""
+
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _op_wrapper(original, rule, 0 if primary is None else primary)
+
+  make.rule = rule  # type: ignore[attr-defined]
+  return make
+
+
+def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """An NNX module method as one op; ``stats``: its batch statistics are written back."""
+
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+    from flax import nnx
+
+    def split_call(state: Any, graphdef: Any, *args: Any, **kwargs: Any) -> Any:
+      module = nnx.merge(graphdef, state)
+      out = original(module, *args, **kwargs)
+      return (out, nnx.state(module, nnx.BatchStat)) if stats else out
+
+    op = _op_wrapper(split_call, rule, 2)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+      if tracing_dtype() is None:
+        return original(self, *args, **kwargs)
+      graphdef, state = nnx.split(self)
+      out = op(state, _Static(graphdef), *args, **kwargs)
+      if stats:
+        out, new_stats = out
+        nnx.update(self, new_stats)
+      return out
+
+    return method
+
+  make.rule = rule  # type: ignore[attr-defined]
+  return make
+
+
+class _Static:
+  """A hashable-by-identity holder for a static argument (an NNX graphdef)."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Static) and other.value == self.value
+
+  def __hash__(self) -> int:
+    try:
+      return hash(self.value)
+    except TypeError:
+      return id(self.value)
+
+
+def _linen(rule: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """A linen module's ``__call__`` as one op, through ``apply`` on its variables."""
+
+  def make(original: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_call(variables: Any, module: Any, *args: Any, **kwargs: Any) -> Any:
+      mutable = kwargs.pop("_jls_mutable")
+      return module.value.apply(variables, *args, method=original, mutable=mutable, **kwargs)
+
+    op = _op_wrapper(apply_call, rule, 2)
+
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+      if tracing_dtype() is None or self.scope is None or self.is_initializing():
+        return original(self, *args, **kwargs)
+      variables = self.variables
+      mutable = tuple(c for c in variables if self.is_mutable_collection(c))
+      unbound = self.clone(parent=None)
+      out, updates = op(dict(variables), _Static(unbound), *args, _jls_mutable=mutable, **kwargs)
+      for col, tree in dict(updates).items():
+        for name, val in dict(tree).items():
+          self.put_variable(col, name, val)
+      return out
+
+    return method
+
+  make.rule = rule  # type: ignore[attr-defined]
+  return make
+
+
+#: (module, attribute path, wrapper maker). Installed while autocast traces, on the
+#: modules already imported; each is restored afterwards.
+_REGISTRATIONS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+  ("jax.nn", "dot_product_attention", _attention),
+  ("equinox.nn", "LSTMCell.__call__", _method(LOWER)),
+  ("equinox.nn", "GRUCell.__call__", _method(LOWER)),
+  ("equinox.nn", "BatchNorm.__call__", _method(FLOAT32_COMPUTE, primary=1)),
+  ("flax.nnx", "LSTMCell.__call__", _nnx(LOWER, stats=False)),
+  ("flax.nnx", "OptimizedLSTMCell.__call__", _nnx(LOWER, stats=False)),
+  ("flax.nnx", "GRUCell.__call__", _nnx(LOWER, stats=False)),
+  ("flax.nnx", "SimpleCell.__call__", _nnx(LOWER, stats=False)),
+  ("flax.nnx", "BatchNorm.__call__", _nnx(FLOAT32_COMPUTE, stats=True)),
+  ("flax.linen", "LSTMCell.__call__", _linen(LOWER)),
+  ("flax.linen", "OptimizedLSTMCell.__call__", _linen(LOWER)),
+  ("flax.linen", "GRUCell.__call__", _linen(LOWER)),
+  ("flax.linen", "MGUCell.__call__", _linen(LOWER)),
+  ("flax.linen", "SimpleCell.__call__", _linen(LOWER)),
+  ("flax.linen", "BatchNorm.__call__", _linen(FLOAT32_COMPUTE)),
+)
+
+_INSTALLED = threading.local()
+
+
+def registrations() -> tuple[tuple[str, str, str], ...]:
+  """``(module, attribute, rule)`` of each shipped registration (for the guide's table)."""
+  return tuple((module, path, make.rule) for module, path, make in _REGISTRATIONS)  # type: ignore[attr-defined]
+
+
+def _resolve(module: str, path: str) -> tuple[Any, str] | None:
+  mod = sys.modules.get(module)
+  if mod is None:
+    return None
+  owner: Any = mod
+  *parents, attr = path.split(".")
+  for p in parents:
+    owner = getattr(owner, p, None)
+    if owner is None:
+      return None
+  if not hasattr(owner, attr):
+    return None
+  return owner, attr
+
+
+_ORIGINALS: dict[tuple[str, str], Any] = {}
+_DEPTH = {"n": 0}
+
+
+@contextlib.contextmanager
+def tracing(dtype: Any) -> Iterator[None]:
+  """While autocast traces its function: the context set and the registrations installed."""
+  with _LOCK:
+    _DEPTH["n"] += 1
+    if _DEPTH["n"] == 1:
+      for module, path, make in _REGISTRATIONS:
+        found = _resolve(module, path)
+        if found is None:
+          continue
+        owner, attr = found
+        original = owner.__dict__.get(attr, getattr(owner, attr)) if isinstance(owner, type) else getattr(owner, attr)
+        _ORIGINALS[(module, path)] = (owner, attr, original)
+        setattr(owner, attr, make(original))
+  try:
+    with _TRACING(np.dtype(dtype).name):
+      yield
+  finally:
+    with _LOCK:
+      _DEPTH["n"] -= 1
+      if _DEPTH["n"] == 0:
+        for owner, attr, original in _ORIGINALS.values():
+          setattr(owner, attr, original)
+        _ORIGINALS.clear()
+
