@@ -7,7 +7,8 @@
   proving that code does not wait for the device (see ``tests/test_async.py``).
 * In CI (``CI=true``) no test may be skipped for a missing optional dependency
   that ``make test`` installs (torch, hypothesis, orbax, scikit-learn,
-  matplotlib, flax, equinox, chex, jmp, tqdm): :func:`import_optional` fails there, and
+  matplotlib, flax, equinox, chex, jmp, tqdm, and the public models' jax-resnet, jraph and
+  transformers): :func:`import_optional` fails there, and
   ``pytest.importorskip`` of one of them is turned into a failure too.
 """
 
@@ -68,6 +69,9 @@ REQUIRED_IN_CI = (
   "chex",
   "jmp",
   "tqdm",
+  "jax_resnet",
+  "jraph",
+  "transformers",
 )
 
 
