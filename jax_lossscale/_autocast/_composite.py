@@ -352,7 +352,11 @@ def _linen(rule: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
           self.put_variable(col, name, val)
       return out
 
-    return method
+    # Wrapped as linen wraps a module's own methods (compact scope, intermediates).
+    from flax.linen.module import wrap_method_once
+
+    vars(method).pop("method_handler_wrapped", None)  # copied from `original` by wraps
+    return wrap_method_once(method)
 
   make.rule = rule  # type: ignore[attr-defined]
   return make
