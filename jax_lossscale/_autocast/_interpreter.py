@@ -285,6 +285,8 @@ class Interpreter:
     name = eqn.primitive.name
     if name == "convert_element_type":
       return [self.convert(eqn, ins[0])]
+    if name == "zeros_like":  # zeros take the dtype of what they meet
+      return [Val(o, Facts(follows=True)) for o in _bind(eqn, [v.x for v in ins])]
     vals = self.promote(eqn, ins)
     outs = _bind(eqn, vals)
     floats = [v for v in ins if _is_float(v.x)]

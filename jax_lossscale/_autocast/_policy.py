@@ -175,7 +175,7 @@ def check_policy(policy: Mapping[Any, str] | None) -> dict[jex.Primitive, str]:
       if found is None:
         raise ValueError(
           f"policy: {key!r} is not the name of a primitive of this JAX"
-          f"{nearest(key, prims.first_order_names())}"
+          f"{nearest(key, prims.table_names())}"
         )
       prim = found
     else:

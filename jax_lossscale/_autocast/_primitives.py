@@ -112,7 +112,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
   LAYOUT: (
     "reshape", "broadcast_in_dim", "transpose", "squeeze", "rev", "slice", "dynamic_slice",
     "dynamic_update_slice", "gather", "pad", "copy", "concatenate", "split",
-    "select_n", "convert_element_type", "stop_gradient", "name",
+    "select_n", "convert_element_type", "stop_gradient", "name", "zeros_like",
     "sharding_constraint", "layout_constraint", "reshard", "tile", "stack", "unstack",
   ),
   SCATTER: ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),

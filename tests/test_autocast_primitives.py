@@ -1,0 +1,89 @@
+"""The kind table of autocast against the installed JAX: no drift at an upgrade.
+
+Every name in ``jax_lossscale._autocast._primitives`` must be a primitive that the
+installed JAX defines, and every primitive JAX defines must have a kind (or live in a
+kernel-language module, whose primitives exist only inside a ``pallas_call``).
+"""
+
+import importlib
+import pkgutil
+import sys
+
+import jax
+import jax.extend.core as jex
+import pytest
+
+from jax_lossscale._autocast import _interpreter
+from jax_lossscale._autocast import _policy
+from jax_lossscale._autocast import _primitives as prims
+
+
+def _jax_primitives():
+  """Every Primitive object defined at module level anywhere in the installed jax."""
+  import jax._src as src
+
+  for info in pkgutil.walk_packages(src.__path__, "jax._src."):
+    try:
+      importlib.import_module(info.name)
+    except Exception:  # optional backends (TPU, Mosaic GPU) that do not import here
+      continue
+  found: dict[int, tuple[jex.Primitive, str]] = {}
+  for name, module in list(sys.modules.items()):
+    if not name.startswith("jax"):
+      continue
+    for value in list(vars(module).values()):
+      if isinstance(value, jex.Primitive):
+        home = found.get(id(value), (value, name))[1]
+        found[id(value)] = (value, min(home, name, key=len) if name.startswith("jax._src") else home)
+  return list(found.values())
+
+
+PRIMITIVES = _jax_primitives()
+
+
+def test_every_name_in_the_table_is_a_primitive_of_this_jax():
+  names = {p.name for p, _ in PRIMITIVES}
+  missing = sorted(n for n in prims.table_names() if n not in names)
+  assert not missing, f"names in the kind table that this JAX does not define: {missing}"
+
+
+def test_every_primitive_of_this_jax_has_a_kind():
+  unknown = sorted(
+    f"{p.name} ({home})"
+    for p, home in PRIMITIVES
+    if prims.kind(p) is None and not home.startswith(prims.KERNEL_MODULES)
+  )
+  assert not unknown, f"primitives without a kind (classify them in _primitives.py): {unknown}"
+
+
+def test_every_policy_row_is_a_first_order_primitive():
+  for row in _policy.POLICY_TABLE:
+    assert prims.kind(prims.resolve(row.primitive)) == prims.FIRST_ORDER, row
+
+
+def test_every_higher_order_kind_has_a_handler():
+  for name, kind in prims.table_names().items():
+    if kind == prims.HIGHER_ORDER:
+      assert name in _interpreter.HANDLERS, name
+
+
+def test_the_table_is_keyed_by_objects_where_jax_exports_them():
+  # dot_general by identity: a kernel primitive named like a lax one is not taken for it.
+  assert prims.kind(jax.lax.dot_general_p) == prims.FIRST_ORDER
+  assert prims.kind(jax.lax.scatter_mul_p) == prims.SCATTER
+  namesake = jex.Primitive("gather")
+  assert prims.kind(namesake) is None
+
+
+@pytest.mark.parametrize(
+  ("policy", "match"),
+  [
+    ({"exxp": "lower"}, r"'exxp' is not the name of a primitive.*did you mean 'exp'"),
+    ({"exp": "lowr"}, r"policy\['exp'\] must be one of .*did you mean 'lower'"),
+    ({"scan": "lower"}, r"policy\['scan'\]: `scan` is a higher-order primitive"),
+    ({"scatter_mul": "lower"}, r"'scatter_mul' is not the name.*did you mean"),
+  ],
+)
+def test_a_wrong_policy_key_or_rule_is_refused_naming_the_nearest(policy, match):
+  with pytest.raises(ValueError, match=match):
+    _policy.check_policy(policy)
