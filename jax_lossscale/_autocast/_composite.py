@@ -71,6 +71,7 @@ class _Entry(NamedTuple):
   template: tuple[Any, ...]
   dyn_idx: tuple[int, ...]
   primary: int | None  # the position in the dynamic leaves of the primary input
+  shapes: tuple[tuple[int, ...], ...]  # the dynamic leaves' shapes when it was called
 
 
 #: Each traced call of a composite op, by the token in its marker's name. Bounded: a
@@ -144,7 +145,22 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
       f"traced more than {_MAX_ENTRIES} composite calls ago with unhashable static "
       "arguments. Make the op's non-array arguments hashable."
     )
-  outs, _ = _call(entry, [v.x for v in ins], interp.dtype)
+  dyn = [v.x for v in ins]
+  if tuple(tuple(np.shape(x)) for x in dyn) == entry.shapes:
+    outs, _ = _call(entry, dyn, interp.dtype)
+  else:
+    # A batched marker (the op was called under jax.vmap): its jaxpr is the batched
+    # declared trace, whose casts are the rule's on the declared dtypes. It runs as
+    # written; the outputs shaped like the primary input take its actual dtype.
+    outs = [v.x for v in interp.as_written(eqn, ins)]
+    if entry.rule == LOWER:
+      outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
+    if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
+      primary = dyn[entry.primary]
+      outs = [
+        cast(o, primary.dtype) if is_eligible(o.dtype) and o.shape == primary.shape else o
+        for o in outs
+      ]
   lowp = entry.rule == LOWER
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
@@ -163,9 +179,10 @@ def _marker_call(fn: Callable[..., Any], rule: str, primary: int | None, args: A
     first = len(jax.tree_util.tree_leaves(args[:primary]))
     if first in dyn_idx:
       primary_pos = dyn_idx.index(first)
-  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos)
+  shapes = tuple(tuple(np.shape(leaves[i])) for i in dyn_idx)
+  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
   try:
-    key = (fn, rule, treedef, dyn_idx, primary_pos, tuple((type(x), x) for x in template))
+    key = (fn, rule, treedef, dyn_idx, primary_pos, shapes, tuple((type(x), x) for x in template))
     hash(key)
   except TypeError:
     key = None
@@ -180,11 +197,18 @@ def _marker_call(fn: Callable[..., Any], rule: str, primary: int | None, args: A
   def traced(*dyn: Any) -> list[Any]:
     outs, tree = _call(entry, list(dyn), lower)
     out_tree.append(tree)
+    # The declared trace stays a trace of the model as written: the outputs leave in the
+    # dtype of the declared inputs (the interpreter gives them their real dtype).
+    floats = [np.dtype(x.dtype) for x in dyn if is_eligible(x.dtype)]
+    if floats:
+      declared = torch_promote(floats)
+      outs = [cast(o, declared) if is_eligible(o.dtype) else o for o in outs]
     return outs
 
   traced.__name__ = name
   traced.__qualname__ = name
-  flat = jax.jit(traced)(*[leaves[i] for i in dyn_idx])
+  # keep_unused: the marker's inputs are the op's arguments one for one.
+  flat = jax.jit(traced, keep_unused=True)(*[leaves[i] for i in dyn_idx])
   return jax.tree_util.tree_unflatten(out_tree[-1], flat)
 
 
@@ -259,12 +283,21 @@ def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
   def impl(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any) -> Any:
     implementation = kwargs.pop("implementation", None)
     half = np.dtype(query.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-    if implementation is None and half and jax.default_backend() == "gpu":
-      try:  # cuDNN's fused kernel where it takes these shapes, as torch's SDPA picks flash
-        return original(query, key, value, bias, mask, implementation="cudnn", **kwargs)
-      except Exception:  # noqa: BLE001 - an unsupported shape, dtype or cuDNN version
-        pass
-    return original(query, key, value, bias, mask, implementation=implementation, **kwargs)
+    # JAX's own attention mixes dtypes internally (its float32 softmax), so it runs under
+    # JAX's standard promotion whatever the caller's mode.
+    with jax.numpy_dtype_promotion("standard"):
+      if implementation is None and half and jax.default_backend() == "gpu":
+        try:  # cuDNN's fused kernel where it takes these shapes, as torch's SDPA picks flash
+          return original(query, key, value, bias, mask, implementation="cudnn", **kwargs)
+        except Exception:  # noqa: BLE001 - an unsupported shape, dtype or cuDNN version
+          pass
+      if half and jax.default_backend() == "cpu":
+        # XLA:CPU compiles no float16 contraction with float32 accumulation (the XLA
+        # implementation's einsum): computed in float32, returned in the input's dtype.
+        up = [None if a is None else a.astype(jnp.float32) if is_eligible(a.dtype) else a for a in (query, key, value, bias)]
+        out = original(*up[:3], up[3], mask, implementation=implementation, **kwargs)
+        return jax.tree.map(lambda o: o.astype(query.dtype), out)
+      return original(query, key, value, bias, mask, implementation=implementation, **kwargs)
 
   impl.__name__ = "dot_product_attention"
   return _op_wrapper(impl, LOWER, 0)
@@ -290,7 +323,7 @@ def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[...,
     from flax import nnx
 
     def split_call(state: Any, graphdef: Any, *args: Any, **kwargs: Any) -> Any:
-      module = nnx.merge(graphdef, state)
+      module = nnx.merge(graphdef.value, state)
       out = original(module, *args, **kwargs)
       return (out, nnx.state(module, nnx.BatchStat)) if stats else out
 
