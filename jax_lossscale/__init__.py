@@ -21,10 +21,10 @@ from jax_lossscale._accumulation import multi_steps as multi_steps
 from jax_lossscale._autocast import AutocastError as AutocastError
 from jax_lossscale._autocast import ClosedOverTracerError as ClosedOverTracerError
 from jax_lossscale._autocast import UnsupportedPrimitiveError as UnsupportedPrimitiveError
-from jax_lossscale._autocast import autocast_op as autocast_op
 from jax_lossscale._autocast import autocast as autocast
-from jax_lossscale._autocast import float32 as float32
+from jax_lossscale._autocast import autocast_op as autocast_op
 from jax_lossscale._autocast import autocast_policy as autocast_policy
+from jax_lossscale._autocast import float32 as float32
 from jax_lossscale._guard import LossScaleError as LossScaleError
 from jax_lossscale._guard import check_skips as check_skips
 from jax_lossscale._metrics import metrics as metrics

@@ -829,7 +829,9 @@ def test_a_linear_solve_runs_as_written():
 
   out = autocast(f)(XS, W)  # its matvec and solve run on their declared float32 inputs
   assert out.dtype == F32
-  names = {e.primitive.name for e in jax.make_jaxpr(autocast(f))(XS, W).eqns[0].params["jaxpr"].eqns}
+  names = {
+    e.primitive.name for e in jax.make_jaxpr(autocast(f))(XS, W).eqns[0].params["jaxpr"].eqns
+  }
   assert "custom_linear_solve" in names
   np.testing.assert_allclose(out, jax.jit(f)(XS, W), rtol=2e-3)  # a is a float16 matmul
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jax_lossscale import _autocast
-from jax_lossscale._autocast import _interpreter
 from jax_lossscale._autocast import AutocastError
+from jax_lossscale._autocast import _interpreter
 from jax_lossscale._autocast import autocast
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)

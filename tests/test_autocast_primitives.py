@@ -34,7 +34,10 @@ def _jax_primitives():
     for value in list(vars(module).values()):
       if isinstance(value, jex.Primitive):
         home = found.get(id(value), (value, name))[1]
-        found[id(value)] = (value, min(home, name, key=len) if name.startswith("jax._src") else home)
+        found[id(value)] = (
+          value,
+          min(home, name, key=len) if name.startswith("jax._src") else home,
+        )
   return list(found.values())
 
 

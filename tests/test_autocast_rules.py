@@ -61,7 +61,11 @@ HOPS = {
   "remat": (lambda f: jax.checkpoint(f), True),
   "scan": (lambda f: lambda *a: lax.scan(lambda c, _: (c, f(*a)), 0.0, None, length=2)[1][0], True),
   "while": (
-    lambda f: lambda *a: lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, f(*a).astype(jnp.float32)), (0, jnp.zeros((2, 4))))[1],
+    lambda f: (
+      lambda *a: lax.while_loop(
+        lambda c: c[0] < 1, lambda c: (c[0] + 1, f(*a).astype(jnp.float32)), (0, jnp.zeros((2, 4)))
+      )[1]
+    ),
     False,
   ),
   "cond": (lambda f: lambda x, *a: lax.cond(x[0, 0] > -100, f, f, x, *a), True),
@@ -84,7 +88,12 @@ def _eqns(jaxpr):
 
 def _out_dtypes(fun, name, *args):
   closed = jax.make_jaxpr(fun)(*args)
-  return [np.dtype(v.aval.dtype) for e in _eqns(closed.jaxpr) if e.primitive.name == name for v in e.outvars]
+  return [
+    np.dtype(v.aval.dtype)
+    for e in _eqns(closed.jaxpr)
+    if e.primitive.name == name
+    for v in e.outvars
+  ]
 
 
 @pytest.mark.parametrize("hop", list(HOPS))
@@ -102,7 +111,9 @@ def test_every_rule_holds_through_every_higher_order_primitive(rule, hop):
   if passes_through:
     assert g(*args).dtype == want
   ref = wrap(f)(*args)
-  np.testing.assert_allclose(np.asarray(g(*args), np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(
+    np.asarray(g(*args), np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2
+  )
 
 
 @pytest.mark.parametrize(
@@ -127,7 +138,7 @@ def test_scatters_and_segment_ops_keep_a_float16_operand_float16(scatter):
   f = lambda x, w, i: scatter(x @ w, i)
   out = jax.jit(jls.autocast(f))(X, W, i)
   assert out.dtype == F16
-  h = (X.astype(F16) @ W.astype(F16))
+  h = X.astype(F16) @ W.astype(F16)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(scatter(h, i)))
 
 

@@ -168,7 +168,9 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   ]
 
 
-def _marker_call(fn: Callable[..., Any], rule: str, primary: int | None, args: Any, kwargs: Any) -> Any:
+def _marker_call(
+  fn: Callable[..., Any], rule: str, primary: int | None, args: Any, kwargs: Any
+) -> Any:
   """``fn(*args, **kwargs)`` as a composite op's marker, while autocast traces."""
   lower = tracing_dtype()
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
@@ -253,7 +255,9 @@ def autocast_op(
     dtype('float16')
   """
   if not isinstance(rule, str) or rule not in COMPOSITE_RULES:
-    raise ValueError(f"rule must be one of {COMPOSITE_RULES}, got {rule!r}{nearest(str(rule), COMPOSITE_RULES)}")
+    raise ValueError(
+      f"rule must be one of {COMPOSITE_RULES}, got {rule!r}{nearest(str(rule), COMPOSITE_RULES)}"
+    )
   if isinstance(primary, bool) or not isinstance(primary, int):
     raise TypeError(f"primary must be an int, got {type(primary).__name__}")
   if primary < 0:
@@ -280,7 +284,9 @@ def _op_wrapper(fun: Callable[..., Any], rule: str, primary: int) -> Callable[..
 
 
 def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
-  def impl(query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any) -> Any:
+  def impl(
+    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any
+  ) -> Any:
     implementation = kwargs.pop("implementation", None)
     half = np.dtype(query.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
     # JAX's own attention mixes dtypes internally (its float32 softmax), so it runs under
@@ -289,12 +295,15 @@ def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
       if implementation is None and half and jax.default_backend() == "gpu":
         try:  # cuDNN's fused kernel where it takes these shapes, as torch's SDPA picks flash
           return original(query, key, value, bias, mask, implementation="cudnn", **kwargs)
-        except Exception:  # noqa: BLE001 - an unsupported shape, dtype or cuDNN version
+        except Exception:
           pass
       if half and jax.default_backend() == "cpu":
         # XLA:CPU compiles no float16 contraction with float32 accumulation (the XLA
         # implementation's einsum): computed in float32, returned in the input's dtype.
-        up = [None if a is None else a.astype(jnp.float32) if is_eligible(a.dtype) else a for a in (query, key, value, bias)]
+        up = [
+          None if a is None else a.astype(jnp.float32) if is_eligible(a.dtype) else a
+          for a in (query, key, value, bias)
+        ]
         out = original(*up[:3], up[3], mask, implementation=implementation, **kwargs)
         return jax.tree.map(lambda o: o.astype(query.dtype), out)
       return original(query, key, value, bias, mask, implementation=implementation, **kwargs)
@@ -306,7 +315,9 @@ def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
 _attention.rule = LOWER  # type: ignore[attr-defined]
 
 
-def _method(rule: str, primary: int | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _method(
+  rule: str, primary: int | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """A pure module method (an Equinox module is a pytree of its arrays) as one op."""
 
   def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -453,7 +464,11 @@ def tracing(dtype: Any) -> Iterator[None]:
         if found is None:
           continue
         owner, attr = found
-        original = owner.__dict__.get(attr, getattr(owner, attr)) if isinstance(owner, type) else getattr(owner, attr)
+        original = (
+          owner.__dict__.get(attr, getattr(owner, attr))
+          if isinstance(owner, type)
+          else getattr(owner, attr)
+        )
         _ORIGINALS[(module, path)] = (owner, attr, original)
         setattr(owner, attr, make(original))
   try:
@@ -466,4 +481,3 @@ def tracing(dtype: Any) -> Iterator[None]:
         for owner, attr, original in _ORIGINALS.values():
           setattr(owner, attr, original)
         _ORIGINALS.clear()
-

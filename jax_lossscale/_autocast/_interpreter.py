@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import jax
 from jax import lax
-import jax.extend.core as jex
 from jax.extend import source_info_util
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -173,7 +173,8 @@ def _hoist(closed: Any) -> tuple[Any, list[Any]]:
 
 
 def _aval(x: Any) -> Any:
-  return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  typeof = getattr(jax, "typeof", None) or jax.core.get_aval  # type: ignore[attr-defined]
+  return typeof(x)
 
 
 class Interpreter:
@@ -215,7 +216,7 @@ class Interpreter:
       if isinstance(v, jex.Literal):
         val = v.val
         if not hasattr(val, "dtype"):  # a Python scalar: give it its declared dtype
-          val = np.asarray(val, dtype=v.aval.dtype)
+          val = np.asarray(val, dtype=v.aval.dtype)  # type: ignore[attr-defined]
         return Val(val, Facts(follows=True))
       return env[v]
 
@@ -242,7 +243,9 @@ class Interpreter:
       try:
         return handler(self, eqn, ins)
       except KeyError as e:  # a jax version whose params this handler does not know
-        raise unsupported(prim.name, eqn, f" (its parameter {e} is missing in this jax version)") from e
+        raise unsupported(
+          prim.name, eqn, f" (its parameter {e} is missing in this jax version)"
+        ) from e
     if k in (prims.AS_WRITTEN, prims.KERNEL):
       return self.as_written(eqn, ins)
     if k is None and jex.jaxprs_in_params(eqn.params):
@@ -313,8 +316,10 @@ class Interpreter:
   def convert(self, eqn: Any, val: Val) -> Val:
     declared_in = np.dtype(eqn.invars[0].aval.dtype)
     new = np.dtype(eqn.params["new_dtype"]) if is_eligible(eqn.params["new_dtype"]) else None
-    if new is not None and not is_eligible(declared_in) and not jnp.issubdtype(
-      declared_in, jnp.floating
+    if (
+      new is not None
+      and not is_eligible(declared_in)
+      and not jnp.issubdtype(declared_in, jnp.floating)
     ):
       # A bool or integer array made float: a mask, a count. It has no float dtype of
       # its own (torch's bool * half is half).
@@ -490,7 +495,9 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   if "linear" in params:
     new["linear"] = (False,) * k + tuple(params["linear"])
   outs = _bind(eqn, [*hoisted, *(v.x for v in consts), *init_x, *(v.x for v in xs)], new)
-  return [Val(o, NO_FACTS if i < ncarry else f) for i, (o, f) in enumerate(zip(outs, facts, strict=True))]
+  return [
+    Val(o, NO_FACTS if i < ncarry else f) for i, (o, f) in enumerate(zip(outs, facts, strict=True))
+  ]
 
 
 def _eval_while(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
@@ -534,14 +541,23 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   branches = params["branches"]
   index, ops = ins[0], ins[1:]
   op_x, op_facts = [v.x for v in ops], [v.facts for v in ops]
-  first = [interp.trace(lambda vs, b=b: interp.eval_closed(b, vs), op_x, op_facts) for b in branches]
+
+  def branch_fn(b: Any) -> Callable[[list[Val]], list[Val]]:
+    return lambda vs: interp.eval_closed(b, vs)
+
+  first = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
   n_out = len(first[0][0].out_avals)
-  targets = [torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in first]) for i in range(n_out)]
+  targets = [
+    torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in first]) for i in range(n_out)
+  ]
 
   def cast_branch(branch: Any) -> Callable[[list[Val]], list[Val]]:
     def run(vs: list[Val]) -> list[Val]:
       outs = interp.eval_closed(branch, vs)
-      return [Val(cast(o.x, t) if _is_float(o.x) else o.x, o.facts) for o, t in zip(outs, targets, strict=True)]
+      return [
+        Val(cast(o.x, t) if _is_float(o.x) else o.x, o.facts)
+        for o, t in zip(outs, targets, strict=True)
+      ]
 
     return run
 
@@ -600,7 +616,7 @@ def _eval_shard_map(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   outer = jax.make_jaxpr(fn)(*(v.x for v in ins))
   traced = [e for e in outer.jaxpr.eqns if e.primitive is eqn.primitive]
   if len(outer.jaxpr.eqns) != 1 or len(traced) != 1 or outer.consts:
-    outs = fn(*(v.x for v in ins))  # the constructor's own equation, as traced
+    outs = list(fn(*(v.x for v in ins)))  # the constructor's own equation, as traced
   else:
     outs = _bind(eqn, [v.x for v in ins], dict(params, jaxpr=traced[0].params["jaxpr"]))
   return [Val(o, f) for o, f in zip(outs, captured[-1], strict=True)]
@@ -627,7 +643,9 @@ def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
   captured: list[list[Facts]] = []
 
   def primal(*xs: Any) -> tuple[Any, ...]:
-    outs = interp.eval_closed(closed, [*consts, *(Val(x, f) for x, f in zip(xs, arg_facts, strict=True))])
+    outs = interp.eval_closed(
+      closed, [*consts, *(Val(x, f) for x, f in zip(xs, arg_facts, strict=True))]
+    )
     captured.append([o.facts for o in outs])
     return tuple(o.x for o in outs)
 
@@ -637,9 +655,7 @@ def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
     outs = primal(*primals)
     jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(primals))
     _check_no_stale_tracers(eqn, jvp_consts, "custom_jvp", "jvp rule")
-    res = interp.eval_jaxpr(
-      jvp_jaxpr, jvp_consts, [Val(x) for x in (*primals, *tangents)]
-    )
+    res = interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [Val(x) for x in (*primals, *tangents)])
     nz_tangents = iter(res[len(out_zeros) :])
     out_tangents: list[Any] = []
     for p, zero in zip(outs, out_zeros, strict=True):
@@ -671,7 +687,9 @@ def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
   captured: list[list[Facts]] = []
 
   def primal(*xs: Any) -> tuple[Any, ...]:
-    outs = interp.eval_closed(closed, [*consts, *(Val(x, f) for x, f in zip(xs, arg_facts, strict=True))])
+    outs = interp.eval_closed(
+      closed, [*consts, *(Val(x, f) for x, f in zip(xs, arg_facts, strict=True))]
+    )
     captured.append([o.facts for o in outs])
     return tuple(o.x for o in outs)
 

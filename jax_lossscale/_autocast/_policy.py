@@ -182,10 +182,11 @@ def check_policy(policy: Mapping[Any, str] | None) -> dict[jex.Primitive, str]:
       raise TypeError(
         f"policy keys must be lax primitives or their names, got {type(key).__name__}"
       )
-    if prims.kind(prim) not in prims.RULED_KINDS:
+    kind = prims.kind(prim)
+    if kind not in prims.RULED_KINDS:
+      what = "unknown to autocast" if kind is None else prims.KIND_DESCRIPTIONS[kind]
       raise ValueError(
-        f"policy[{prim.name!r}]: `{prim.name}` is {prims.KIND_DESCRIPTIONS[prims.kind(prim)]}; "
-        "only first-order primitives take a rule"
+        f"policy[{prim.name!r}]: `{prim.name}` is {what}; only first-order primitives take a rule"
       )
     if not isinstance(rule, str) or rule not in RULES:
       raise ValueError(
