@@ -21,12 +21,14 @@ from jax_lossscale._autocast import _primitives as prims
 def _jax_primitives():
   """Every Primitive object defined at module level anywhere in the installed jax."""
   import jax._src as src
+  import jax.experimental as experimental
 
-  for info in pkgutil.walk_packages(src.__path__, "jax._src."):
-    try:
-      importlib.import_module(info.name)
-    except Exception:  # optional backends (TPU, Mosaic GPU) that do not import here
-      continue
+  for package in (src, experimental):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+      try:
+        importlib.import_module(info.name)
+      except Exception:  # optional backends and bridges (TPU, Mosaic GPU, jax2tf)
+        continue
   found: dict[int, tuple[jex.Primitive, str]] = {}
   for name, module in list(sys.modules.items()):
     if not name.startswith("jax"):
