@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import autocast_spec
+from jax_lossscale._autocast._api import interpret
+from jax_lossscale._autocast._interpreter import Taps
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import unscale_and_check
@@ -412,20 +413,38 @@ class UnderflowReport(NamedTuple):
     return "\n".join(lines)
 
 
-def _dtype_parameterized(loss_fn: Callable, half_dtype: Any) -> tuple[Callable, Any]:
-  """``loss_fn(params, batch, dtype)`` for an autocast function of ``(params, batch)``."""
-  spec = autocast_spec(loss_fn)
-  if spec is None:
-    return loss_fn, jnp.float16 if half_dtype is None else half_dtype
-  if half_dtype is None:
-    half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
+def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
+  """``call(variables, dtype)`` of an autocast ``loss_fn``: its policy, its taps honoured.
 
-  def with_dtype(params, batch, dtype):
-    if np.dtype(dtype) == np.float32:
-      return spec.fun(params, batch)
-    return autocast(spec.fun, dtype, spec.policy)(params, batch)
+  Every output of a lower-precision primitive (outside loops and custom rules) gets a
+  zero tap, under ``variables["lowp"]``; the user's taps (``variables["activations"]``)
+  and Flax ``"perturbations"`` in the params take the dtype of the activation they are
+  added to, as constants do, so their gradients are the activations' own.
+  """
 
-  return with_dtype, half_dtype
+  def follows(path: tuple[Any, ...]) -> bool:
+    keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
+    if keys[:2] == [0, 2]:  # loss_fn(params, batch, taps): the taps
+      return True
+    return keys[:3] == [0, 0, "perturbations"]
+
+  def call(v: Any, dtype: Any) -> Any:
+    taps = Taps(list(v["lowp"].values()))
+    args = (v["params"], batch, v["activations"]) if tapped else (v["params"], batch)
+    reference = np.dtype(dtype) == np.float32  # the function as written
+    return interpret(spec, dtype, args, taps=taps, follows=follows, as_written=reference)
+
+  return call
+
+
+def _lowp_taps(spec: Any, params: Any, batch: Any, taps: Any, dtype: Any) -> dict[str, Any]:
+  """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``."""
+  counted = Taps()
+  args = (params, batch) if taps is None else (params, batch, taps)
+  jax.eval_shape(lambda *a: interpret(spec, dtype, a, taps=counted), *args)
+  return {
+    name: jnp.zeros(s.shape, s.dtype) for name, s in zip(counted.names, counted.shapes, strict=True)
+  }
 
 
 def check_underflow(
@@ -468,12 +487,15 @@ def check_underflow(
   **An autocast function needs no dtype parameter.** Pass ``jls.autocast(f)``
   itself (not a ``jax.jit`` of it) as ``loss_fn``, with ``f(params, batch)``
   (with ``activations``: ``f(params, batch, taps)``) written for float32: the
-  half backwards run ``jls.autocast(f, half_dtype, policy)`` with the autocast
-  function's policy (and its dtype when ``half_dtype`` is not given), and the
-  reference runs ``f`` itself in float32. Activation taps are refused with an
-  autocast function: a full-size float32 tap added to a float16 activation
-  promotes it to float32 (torch's rule), so the tap would measure a float32
-  gradient; tap activations with the ``dtype``-parameterized form.
+  half backwards run ``f`` under the autocast function's policy in ``half_dtype``
+  (its own dtype when ``half_dtype`` is not given), and the reference runs it in
+  float32. The activations are seen without taps: every output of a
+  lower-precision primitive (each matmul and convolution, so the logits and the
+  attention scores; outside loops, conds and custom rules) is reported under
+  ``"activations/<scope>/<primitive>#<n>"``. Taps written into ``f``
+  (``h + taps["logits"]``, float32 as the model is) and Flax ``"perturbations"``
+  take the dtype of the activation they are added to, so they measure its
+  float16 gradient.
 
   It is a pure function of arrays (fine under ``jax.jit``; build the jitted
   function once and reuse it to check several batches or points in
@@ -501,8 +523,7 @@ def check_underflow(
 
   Raises:
     ValueError: if ``params`` already has a top-level ``"activations"`` key
-      and ``activations`` is given too; or taps (``activations`` or Flax
-      ``"perturbations"``) with an autocast ``loss_fn``.
+      and ``activations`` is given too.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -535,36 +556,40 @@ def check_underflow(
     >>> import jax_lossscale as jls
     >>> amp = jls.autocast(lambda p, batch: 1e-9 * jnp.sum(batch @ p["w"]))
     >>> check_underflow(amp, {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))).fractions(scaled=True)
-    {'w': 0.0}
+    {'activations/dot_general#0': 0.0, 'w': 0.0}
   """
   scale = _scale_of(scale)
-  if autocast_spec(loss_fn) is not None and (
-    activations is not None or (isinstance(params, Mapping) and "perturbations" in params)
-  ):
-    raise ValueError(
-      "activations: taps need a dtype-parameterized loss_fn(params, batch, dtype, taps). Under "
-      "an autocast loss_fn a float32 tap added to a float16 activation promotes it to float32 "
-      "(torch's rule), so the tap would measure a float32 gradient, not the float16 one."
-    )
-  loss_fn, half_dtype = _dtype_parameterized(loss_fn, half_dtype)
+  spec = autocast_spec(loss_fn)
   tapped = activations is not None
-  if tapped:
-    if isinstance(params, Mapping) and "activations" in params:
-      raise ValueError(
-        "activations: params already has a top-level 'activations' key; pass the "
-        "taps either inside params or as activations=, not both."
-      )
-    taps = jax.tree_util.tree_map(
+  if tapped and isinstance(params, Mapping) and "activations" in params:
+    raise ValueError(
+      "activations: params already has a top-level 'activations' key; pass the "
+      "taps either inside params or as activations=, not both."
+    )
+  taps = (
+    jax.tree_util.tree_map(
       lambda a: jnp.zeros(getattr(a, "shape", jnp.shape(a)), jnp.float32), activations
     )
-    variables = {"params": params, "activations": taps}
+    if tapped
+    else None
+  )
+  if spec is not None:
+    if half_dtype is None:
+      half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
+    call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped)
+    variables: Any = {
+      "params": params,
+      "activations": taps,
+      "lowp": _lowp_taps(spec, params, batch, taps, half_dtype),
+    }
   else:
-    variables = params
+    half_dtype = jnp.float16 if half_dtype is None else half_dtype
+    variables = {"params": params, "activations": taps} if tapped else params
 
-  def call(v, dtype):
-    if tapped:
-      return loss_fn(v["params"], batch, dtype, v["activations"])
-    return loss_fn(v, batch, dtype)
+    def call(v: Any, dtype: Any) -> Any:
+      if tapped:
+        return loss_fn(v["params"], batch, dtype, v["activations"])
+      return loss_fn(v, batch, dtype)
 
   def grads(v, dtype, s):
     g = jax.grad(lambda q: jnp.asarray(call(q, dtype)).astype(jnp.float32) * s)(v)
@@ -582,10 +607,17 @@ def check_underflow(
 
   def named(tree):
     out = _named_float_leaves(tree)
-    if not tapped:
+    if not (tapped or spec is not None):
       return out
     # The params' own names, as without taps; the taps under "activations/".
-    return [(n[len("params/") :] if n.startswith("params/") else n, x) for n, x in out]
+    renamed = []
+    for n, x in out:
+      if n.startswith("params/"):
+        n = n[len("params/") :]
+      elif n.startswith("lowp/"):
+        n = "activations/" + n[len("lowp/") :]
+      renamed.append((n, x))
+    return renamed
 
   ref_leaves = named(ref)
   flat1 = dict(named(g1))

@@ -25,9 +25,14 @@ def _by_hand(p, batch, dtype):
   return jnp.sum(jax.nn.relu(h).astype(jnp.float32) * c)
 
 
+def _params_only(d):
+  return {k: v for k, v in d.items() if not k.startswith("activations/")}
+
+
 def _same(a, b):
+  """The same report for the params (an autocast report also has its automatic taps)."""
   for field in ("nonzero", "lost_unscaled", "lost_scaled"):
-    ga, gb = getattr(a, field), getattr(b, field)
+    ga, gb = _params_only(getattr(a, field)), getattr(b, field)
     assert ga.keys() == gb.keys()
     for k in ga:
       assert int(ga[k]) == int(gb[k]), (field, k)
@@ -40,18 +45,70 @@ def test_an_autocast_function_gives_the_hand_cast_report(maybe_jit):
   got = maybe_jit(lambda p, b: check_underflow(amp, p, b))(PARAMS, (X, TINY))
   want = check_underflow(_by_hand, PARAMS, (X, TINY))
   _same(got, want)
-  assert got.fractions() == {"b": 1.0, "w": 1.0}
-  assert got.fractions(scaled=True) == {"b": 0.0, "w": 0.0}
+  assert _params_only(got.fractions()) == {"b": 1.0, "w": 1.0}
+  assert _params_only(got.fractions(scaled=True)) == {"b": 0.0, "w": 0.0}
   assert got.needs_loss_scaling()
 
 
-def test_taps_are_refused_with_an_autocast_function():
-  """A float32 tap would promote the activation to float32: the wrong gradient, refused."""
-  amp = jls.autocast(_model)
-  with pytest.raises(ValueError, match="activations: taps need a dtype-parameterized"):
-    check_underflow(amp, PARAMS, (X, C), activations={"logits": jnp.zeros((8, 2))})
-  with pytest.raises(ValueError, match="activations: taps need a dtype-parameterized"):
-    check_underflow(amp, {"params": PARAMS, "perturbations": {}}, (X, C))
+def _logits_model(p, batch):
+  # The logits' per-element gradients are c: half of them (1e-9) flush in float16. Each
+  # weight-gradient element sums over the batch, and half of its terms survive.
+  x, c = batch
+  return jnp.sum((x @ p["w"]) * c)
+
+
+def _logits_by_hand(p, batch, dtype, taps):
+  x, c = batch
+  logits = x.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)
+  return jnp.sum(logits.astype(jnp.float32) * c)
+
+
+W = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+
+
+def test_an_autocast_function_sees_its_logits_without_taps(maybe_jit):
+  """The outputs of the lower-precision ops are tapped: the logits' loss is reported."""
+  amp = jls.autocast(_logits_model)
+  r = maybe_jit(lambda p, b: check_underflow(amp, p, b))(W, (X, C))
+  want = check_underflow(_logits_by_hand, W, (X, C), activations={"logits": jnp.zeros((8, 2))})
+  assert r.fractions() == {"activations/dot_general#0": 0.5, "w": 0.0}
+  assert want.fractions()["activations/logits"] == 0.5
+  assert int(r.nonzero["activations/dot_general#0"]) == int(want.nonzero["activations/logits"])
+  assert r.needs_loss_scaling()
+  assert r.fractions(scaled=True)["activations/dot_general#0"] == 0.0
+
+
+def test_a_float32_tap_inside_an_autocast_function_measures_the_float16_gradient():
+  """``h + taps[...]`` with a float32 tap: the tap takes h's float16, not the reverse."""
+
+  def tapped(p, batch, taps):
+    x, c = batch
+    return jnp.sum((x @ p["w"] + taps["logits"]) * c)
+
+  amp = jls.autocast(tapped)
+  r = check_underflow(amp, W, (X, C), activations={"logits": jnp.zeros((8, 2))})
+  assert r.fractions()["activations/logits"] == 0.5  # 0.0 if the tap promoted h
+  assert r.fractions()["activations/dot_general#0"] == 0.5
+
+
+def test_flax_perturbations_inside_an_autocast_function_measure_the_float16_gradient():
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, c):
+      logits = self.perturb("logits", nn.Dense(2, use_bias=False)(x))
+      return jnp.sum(logits * c)
+
+  model = Model()
+  variables = model.init(jax.random.key(0), X, C)
+  variables = {
+    "params": {"Dense_0": {"kernel": W["w"]}},
+    "perturbations": variables["perturbations"],
+  }
+  amp = jls.autocast(lambda v, batch: model.apply(v, *batch))
+  r = check_underflow(amp, variables, (X, C))
+  assert r.fractions()["perturbations/logits"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -67,7 +124,7 @@ def test_the_half_dtype_of_an_autocast_function(made, given, used):
   got = check_underflow(jls.autocast(_model, made), PARAMS, (X, TINY), half_dtype=given)
   _same(got, check_underflow(_by_hand, PARAMS, (X, TINY), half_dtype=used))
   lost = 1.0 if used == jnp.float16 else 0.0
-  assert got.fractions() == {"b": lost, "w": lost}
+  assert _params_only(got.fractions()) == {"b": lost, "w": lost}
 
 
 def test_the_policy_of_an_autocast_function_is_kept():

@@ -18,11 +18,12 @@ from jax_lossscale._autocast._interpreter import ELIGIBLE
 from jax_lossscale._autocast._interpreter import FLOAT32_MARK
 from jax_lossscale._autocast._interpreter import Facts
 from jax_lossscale._autocast._interpreter import Interpreter
+from jax_lossscale._autocast._interpreter import Taps
 from jax_lossscale._autocast._interpreter import Val
 from jax_lossscale._autocast._policy import check_policy
 from jax_lossscale._typing import DTypeLike
 
-__all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32")
+__all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32", "interpret")
 
 
 def _is_array(x) -> bool:
@@ -147,22 +148,7 @@ def autocast(
   mark = f"{AUTOCAST_MARK}_{dt.name}"
 
   def run(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x)]
-
-    def flat_fun(*dyn):
-      full = list(leaves)
-      for i, x in zip(dyn_idx, dyn, strict=True):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
-      return fun(*a, **k)
-
-    dyn = [leaves[i] for i in dyn_idx]
-    with _composite.tracing(dt):
-      closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
-    args_in = [Val(x, Facts(input_rank=np.ndim(x))) for x in dyn]
-    outs = [v.x for v in interp.eval_closed(closed, args_in)]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return _interpret(interp, fun, args, kwargs)
 
   cache: dict[Any, Any] = {}
 
@@ -172,6 +158,63 @@ def autocast(
 
   wrapped.autocast_spec = AutocastSpec(fun, dt, policy)  # type: ignore[attr-defined]
   return wrapped
+
+
+def _interpret(
+  interp: Interpreter,
+  fun: Callable[..., Any],
+  args: Any,
+  kwargs: Any,
+  follows: Callable[[tuple[Any, ...]], bool] | None = None,
+) -> Any:
+  """``fun(*args, **kwargs)`` traced, then evaluated by ``interp`` in the current trace.
+
+  ``follows(path)`` marks the input leaves (by their path in ``(args, kwargs)``) that take
+  the dtype of the activations they meet, as constants do (check_underflow's taps).
+  """
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+  leaves = [x for _, x in with_paths]
+  dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+  def flat_fun(*dyn: Any) -> Any:
+    full = list(leaves)
+    for i, x in zip(dyn_idx, dyn, strict=True):
+      full[i] = x
+    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    return fun(*a, **k)
+
+  dyn = [leaves[i] for i in dyn_idx]
+  with _composite.tracing(interp.dtype):
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
+
+  def facts(i: int) -> Facts:
+    if follows is not None and follows(with_paths[i][0]):
+      return Facts(follows=True)
+    return Facts(input_rank=np.ndim(leaves[i]))
+
+  args_in = [Val(leaves[i], facts(i)) for i in dyn_idx]
+  outs = [v.x for v in interp.eval_closed(closed, args_in)]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def interpret(
+  spec: AutocastSpec,
+  dtype: Any,
+  args: Any,
+  *,
+  taps: Taps | None = None,
+  follows: Callable[[tuple[Any, ...]], bool] | None = None,
+  as_written: bool = False,
+) -> Any:
+  """``spec.fun(*args)`` under ``spec``'s policy in ``dtype``, with ``taps`` added.
+
+  ``as_written``: the function itself, every primitive on its declared dtypes (only the
+  taps are added, at the outputs of the primitives the policy runs in lower precision).
+  """
+  interp = Interpreter(
+    _check_dtype(dtype), check_policy(spec.policy), taps=taps, as_written=as_written
+  )
+  return _interpret(interp, spec.fun, tuple(args), {}, follows)
 
 
 def autocast_spec(fun: Any) -> AutocastSpec | None:

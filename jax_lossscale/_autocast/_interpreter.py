@@ -40,7 +40,7 @@ from jax_lossscale._autocast._policy import FLOAT32
 from jax_lossscale._autocast._policy import LOWER
 from jax_lossscale._autocast._policy import PROMOTE
 
-__all__ = ("NO_FACTS", "Facts", "Interpreter", "Val", "cast", "is_eligible")
+__all__ = ("NO_FACTS", "Facts", "Interpreter", "Taps", "Val", "cast", "is_eligible")
 
 #: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
 ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -97,6 +97,35 @@ class Val(NamedTuple):
 
   x: Any
   facts: Facts = NO_FACTS
+
+
+class Taps:
+  """Zero taps added to the outputs of the lower-precision primitives.
+
+  :func:`jax_lossscale.diagnostics.check_underflow` differentiates with respect to them:
+  the gradient of a tap is the gradient of that op's output (logits, attention scores).
+  Without ``values`` the taps are only counted (their names and shapes recorded).
+  Outputs inside loops, conds, shard_map and custom rules are not tapped: a tap there
+  would sum the gradients of every iteration or branch.
+  """
+
+  def __init__(self, values: Sequence[Any] | None = None):
+    self.values = None if values is None else list(values)
+    self.names: list[str] = []
+    self.shapes: list[Any] = []
+
+  def add(self, eqn: Any, out: Any) -> Any:
+    i = len(self.names)
+    stack = str(source_info_util.current_name_stack())
+    self.names.append(f"{stack}/{eqn.primitive.name}#{i}" if stack else f"{eqn.primitive.name}#{i}")
+    self.shapes.append(jax.ShapeDtypeStruct(out.shape, jnp.float32))
+    if self.values is None:
+      return out
+    return out + self.values[i].astype(out.dtype)
+
+
+#: The higher-order primitives inside which no output is tapped.
+_UNTAPPED = frozenset({"scan", "while", "cond", "shard_map", "custom_jvp_call", "custom_vjp_call"})
 
 
 def is_eligible(dtype: Any) -> bool:
@@ -180,9 +209,20 @@ def _aval(x: Any) -> Any:
 class Interpreter:
   """Evaluates jaxprs with the casts of one policy inserted."""
 
-  def __init__(self, dtype: Any, policy: Mapping[jex.Primitive, str]):
+  def __init__(
+    self,
+    dtype: Any,
+    policy: Mapping[jex.Primitive, str],
+    taps: Taps | None = None,
+    as_written: bool = False,
+  ):
+    # as_written: every primitive runs on its declared dtypes (the function itself), the
+    # lower-precision ones still tapped: check_underflow's float32 reference.
+    self.as_written_mode = as_written
     self.dtype = np.dtype(dtype)
     self.policy = dict(policy)
+    self.taps = taps
+    self._untapped = 0
     # Policy entries keyed by a stand-in (a primitive JAX exports no object for).
     self.policy_by_name = {
       p.name: r for p, r in policy.items() if isinstance(p, prims.NamedPrimitive)
@@ -240,12 +280,16 @@ class Interpreter:
       handler = HANDLERS.get(prim.name)
       if handler is None:
         raise unsupported(prim.name, eqn)
+      untapped = prim.name in _UNTAPPED
+      self._untapped += untapped
       try:
         return handler(self, eqn, ins)
       except KeyError as e:  # a jax version whose params this handler does not know
         raise unsupported(
           prim.name, eqn, f" (its parameter {e} is missing in this jax version)"
         ) from e
+      finally:
+        self._untapped -= untapped
     if k in (prims.AS_WRITTEN, prims.KERNEL):
       return self.as_written(eqn, ins)
     if k is None and jex.jaxprs_in_params(eqn.params):
@@ -271,12 +315,19 @@ class Interpreter:
   def first_order(self, eqn: Any, ins: list[Val]) -> list[Val]:
     params = dict(eqn.params)
     rule = self.rule(eqn.primitive)
+    if self.as_written_mode:
+      outs = _bind(eqn, cast_to_declared([v.x for v in ins], [v.aval for v in eqn.invars]))
+      if rule == LOWER and self.taps is not None and not self._untapped:
+        outs = [self.taps.add(eqn, o) if _is_float(o) else o for o in outs]
+      return [Val(o) for o in outs]
     if rule == LOWER:
       vals = [cast(v.x, self.dtype) if _is_float(v.x) else v.x for v in ins]
       pet = params.get("preferred_element_type")
       if pet is not None and is_eligible(pet):
         params["preferred_element_type"] = self.dtype
       outs = _bind(eqn, vals, params)
+      if self.taps is not None and not self._untapped:
+        outs = [self.taps.add(eqn, o) if _is_float(o) else o for o in outs]
       return [Val(o, Facts(lowp=_is_float(o) and np.dtype(o.dtype) == self.dtype)) for o in outs]
     if rule == FLOAT32:
       vals = [cast(v.x, jnp.float32) if _is_float(v.x) else v.x for v in ins]
