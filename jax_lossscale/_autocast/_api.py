@@ -26,13 +26,13 @@ from jax_lossscale._typing import DTypeLike
 __all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32", "interpret")
 
 
-def _is_array(x) -> bool:
+def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _check_dtype(dtype) -> np.dtype:
+def _check_dtype(dtype: Any) -> np.dtype[Any]:
   try:
-    dt = np.dtype(dtype)
+    dt: np.dtype[Any] = np.dtype(dtype)
   except TypeError as e:
     raise TypeError(f"dtype must be a float dtype, got {dtype!r}") from e
   if dt not in ELIGIBLE:
@@ -40,7 +40,9 @@ def _check_dtype(dtype) -> np.dtype:
   return dt
 
 
-def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
+def _jit_arrays(
+  fun: Callable[..., Any], name: str, cache: dict[Any, Any], args: Any, kwargs: Any
+) -> Any:
   """Calls ``fun(*args, **kwargs)`` inside a ``jit`` named ``name``, over the arrays.
 
   Leaves that are not arrays are held static. The ``jit`` object is kept in ``cache``
@@ -58,7 +60,7 @@ def _jit_arrays(fun: Callable, name: str, cache: dict, args, kwargs):
   jitted = cache.get(key) if key is not None else None
   if jitted is None:
 
-    def region(*dyn):
+    def region(*dyn: Any) -> Any:
       full = list(template)
       for i, x in zip(dyn_idx, dyn, strict=True):
         full[i] = x
@@ -147,13 +149,13 @@ def autocast(
   interp = Interpreter(dt, table)
   mark = f"{AUTOCAST_MARK}_{dt.name}"
 
-  def run(*args, **kwargs):
+  def run(*args: Any, **kwargs: Any) -> Any:
     return _interpret(interp, fun, args, kwargs)
 
   cache: dict[Any, Any] = {}
 
   @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
     return _jit_arrays(run, mark, cache, args, kwargs)
 
   wrapped.autocast_spec = AutocastSpec(fun, dt, policy)  # type: ignore[attr-defined]
@@ -223,7 +225,7 @@ def autocast_spec(fun: Any) -> AutocastSpec | None:
   return spec if isinstance(spec, AutocastSpec) else None
 
 
-def float32(fun: Callable) -> Callable:
+def float32(fun: Callable[..., Any]) -> Callable[..., Any]:
   """Marks ``fun`` as a region :func:`autocast` leaves in float32, as written.
 
   The equivalent of torch's nested ``autocast(enabled=False)`` or
@@ -258,7 +260,7 @@ def float32(fun: Callable) -> Callable:
   cache: dict[Any, Any] = {}
 
   @functools.wraps(fun)
-  def wrapped(*args, **kwargs):
+  def wrapped(*args: Any, **kwargs: Any) -> Any:
     return _jit_arrays(fun, name, cache, args, kwargs)
 
   return wrapped
