@@ -190,3 +190,16 @@ def test_a_python_scalar_literal_follows_and_a_float32_input_promotes():
 def test_facts_are_the_values_own():
   v = _interpreter.Val(jnp.ones(2), _interpreter.Facts(lowp=True))
   assert v.facts.lowp and v.facts.input_rank is None and not v.facts.follows
+
+
+@pytest.mark.parametrize("hop", [h for h, (_, through) in HOPS.items() if through])
+def test_a_bias_added_outside_a_higher_order_primitive_stays_in_the_matmuls_dtype(hop):
+  # `jax.checkpoint(mm)(x, w) + b` as `mm(x, w) + b`: the lower-precision fact of the
+  # matmul's output leaves the higher-order primitive with the value.
+  wrap, _ = HOPS[hop]
+  mm = wrap(lambda x, w, b, y, m: x @ w)
+  f = lambda x, w, b, y, m: mm(x, w, b, y, m) + b
+  out = jls.autocast(f)(X, W, B, Y, M)
+  assert out.dtype == F16
+  ref = X.astype(F16) @ W.astype(F16) + B.astype(F16)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-3)
