@@ -106,11 +106,16 @@ def autocast(
   arrays are never cast; float32 arrays are cast only where a lower-precision
   primitive consumes them, so gradients come back in each input's own dtype.
 
-  It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.shard_map``, and
-  recurses into ``jit``, ``custom_jvp``, ``custom_vjp``, ``checkpoint``, ``scan``,
-  ``while_loop``, ``cond`` and ``shard_map`` (custom differentiation rules are kept,
-  and evaluated under the policy too; loop carries keep their declared dtypes).
-  Arguments that are not arrays (Python scalars, callables, strings) are held static.
+  It composes with ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``jax.shard_map``. The
+  higher-order primitives inside (``jit``, ``checkpoint``, ``scan``, ``while_loop``,
+  ``cond``, ``shard_map``, ``custom_jvp``, ``custom_vjp``) are interpreted and rebound
+  with all their parameters; loop carries keep their declared dtypes. Constants and
+  masks (``zeros_like``, ``jnp.where(mask, h, 0.0)``, ``h * (x > 0)``) take the dtype of
+  the activation they meet. Opaque primitives (custom calls, Pallas kernels, callbacks)
+  run as written. Functions marked with :func:`jax_lossscale.autocast_op`, and the
+  registrations it ships (``jax.nn.dot_product_attention``, the RNN cells and batch
+  norms of Flax and Equinox), run as one op with their own rule. Arguments that are not
+  arrays (Python scalars, callables, strings) are held static.
 
   Args:
     fun: the function to run.
@@ -129,7 +134,10 @@ def autocast(
   Raises:
     TypeError: ``fun`` is not callable, or ``policy`` is not a mapping.
     ValueError: ``dtype`` is not float16, bfloat16 or float32, or a rule is unknown.
-    AutocastError: at call time, for a higher-order primitive it cannot interpret.
+    ValueError: a policy key names no primitive of this JAX (the message gives the
+      nearest names), or a layout or higher-order primitive is given a rule.
+    UnsupportedPrimitiveError: at call time, for a higher-order primitive autocast has
+      no kind for (a subclass of :class:`AutocastError`).
 
   Examples:
     >>> import jax, jax.numpy as jnp
