@@ -55,6 +55,22 @@ def _shard_map(f):
 
 P_REPL = (jax.P(),)
 
+
+def _closed_call(f):
+  """f as one `closed_call` equation (JAX has no public constructor for it)."""
+
+  def g(*args):
+    closed = jax.make_jaxpr(f)(*args)
+    prim = jex.primitives.closed_call_p
+    params = prim.get_bind_params({"call_jaxpr": closed})
+    if isinstance(params, tuple):  # jax < 0.10
+      subfuns, params = params
+      return prim.bind(*subfuns, *args, **params)[0]
+    return prim.bind(*args, **params)[0]
+
+  return g
+
+
 #: higher-order primitive -> (wrapper of f, whether f's value leaves it as it is)
 HOPS = {
   "jit": (lambda f: jax.jit(f), True),
@@ -72,6 +88,7 @@ HOPS = {
   "shard_map": (_shard_map, True),
   "custom_jvp": (_custom_jvp, True),
   "custom_vjp": (_custom_vjp, True),
+  "closed_call": (_closed_call, True),
 }
 
 
