@@ -19,6 +19,7 @@ from jax_lossscale._autocast._interpreter import Taps
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
 from jax_lossscale._numerics import unscale_and_check
+from jax_lossscale._state import scale_of
 from jax_lossscale._typing import ArrayLike
 from jax_lossscale._typing import DTypeLike
 from jax_lossscale._typing import PyTree
@@ -30,15 +31,6 @@ FLOAT16_MAX = np.float32(65504.0)
 FLOAT16_TINY = np.float32(2.0**-14)
 
 _STATS = ("max_abs", "nonfinite", "headroom", "zero", "subnormal")
-
-
-def _scale_of(scale: Any) -> jax.Array:
-  """A float32 scale from a number, an array or anything holding a scale state."""
-  if isinstance(scale, (int, float)) or hasattr(scale, "dtype"):
-    return jnp.asarray(scale, jnp.float32)
-  import jax_lossscale  # the public finder, wherever it lives
-
-  return jnp.asarray(jax_lossscale.get_scale_state(scale).scale, jnp.float32)
 
 
 def _key_name(key: Any) -> str:
@@ -261,7 +253,7 @@ def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> GradDiagn
     >>> d["b/headroom"].item(), grad_leaf_names(g)[d["min_headroom_leaf"].item()]
     (2.0, 'b')
   """
-  scale = _scale_of(scale)
+  scale = scale_of(scale)
   named = _named_float_leaves(scaled_grads)
   names = tuple(name for name, _ in named)
   leaves = [jnp.asarray(g) for _, g in named]
@@ -558,7 +550,7 @@ def check_underflow(
     >>> check_underflow(amp, {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))).fractions(scaled=True)
     {'activations/dot_general#0': 0.0, 'w': 0.0}
   """
-  scale = _scale_of(scale)
+  scale = scale_of(scale)
   spec = autocast_spec(loss_fn)
   tapped = activations is not None
   if tapped and isinstance(params, Mapping) and "activations" in params:

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from jax_lossscale._product import exact_reciprocal
+from jax_lossscale._state import scale_of
 from jax_lossscale._typing import ArrayLike
 from jax_lossscale._typing import PyTree
 from jax_lossscale._typing import ScaleLike
@@ -159,8 +160,7 @@ def unscale_and_check(grads: optax.Updates, scale: ScaleLike) -> tuple[optax.Upd
     ([Array([1., 2.], dtype=float32), Array([4.], dtype=float32)], Array(True, dtype=bool))
   """
   refuse_complex(grads)
-  scale = getattr(scale, "scale", scale)
-  inv, shift = reciprocal(jnp.asarray(scale, jnp.float32))
+  inv, shift = reciprocal(scale_of(scale))
 
   def unscale(g):
     if not is_float(g):

@@ -286,7 +286,26 @@ def get_scale_state(tree: ScaleSource) -> DynamicScaleState:
       "jax_lossscale.dynamic_loss_scale?"
     )
   raise ValueError(
-    f"Found {len(found)} DynamicScaleStates in the given tree (at "
-    f"{', '.join(p or '<root>' for p, _ in found)}); pass the one you mean "
-    "(e.g. the sub-state of one partition)."
+    f"state holds {len(found)} loss scalers (at "
+    f"{', '.join(p or '<root>' for p, _ in found)}): which one is meant is ambiguous. For "
+    "several param groups or optimizers that share one scale (torch's scaler.step(opt0); "
+    "scaler.step(opt1); scaler.update()), wrap them all in ONE "
+    "dynamic_loss_scale(optax.multi_transform(...)) or optax.partition; for scalers that "
+    "are really separate, pass the sub-state of the one you mean."
   )
+
+
+def scale_of(scale: Any) -> jax.Array:
+  """The float32 scale that ``scale`` stands for: the one resolver of a ``ScaleLike``.
+
+  A Python number or an array is the scale itself; a :class:`DynamicScaleState`, or an
+  optimizer or train state holding exactly one, gives its current scale. Used by every
+  entry point that takes a scale (``unscale_and_check``, ``scale_loss``,
+  ``check_underflow``, ``grad_diagnostics``).
+
+  Raises:
+    ValueError: a state with no loss scaler, or with several.
+  """
+  if isinstance(scale, (int, float)) or (hasattr(scale, "dtype") and not is_scale_state(scale)):
+    return jnp.asarray(scale, jnp.float32)
+  return jnp.asarray(get_scale_state(scale).scale, jnp.float32)

@@ -27,9 +27,7 @@ from jax_lossscale._state import DEFAULT_CONFIG
 from jax_lossscale._state import DynamicScaleConfig
 from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._state import check_init_scale
-from jax_lossscale._state import get_scale_state
-from jax_lossscale._state import is_scale_state
-from jax_lossscale._state import scale_states
+from jax_lossscale._state import scale_of
 from jax_lossscale._typing import AxisName
 from jax_lossscale._typing import PyTree
 from jax_lossscale._typing import ScaleLike
@@ -323,22 +321,6 @@ def _scale_one(path: str, loss: Any, scale: jax.Array) -> jax.Array:
   return loss.astype(dt) * scale.astype(dt)
 
 
-def _the_scale(state: ScaleLike) -> jax.Array:
-  """The scale of the one loss scaler in ``state``, with a pointed error for several."""
-  found = scale_states(state) if not is_scale_state(state) else [("", state)]
-  if len(found) > 1:
-    raise ValueError(
-      f"state holds {len(found)} loss scalers (at "
-      f"{', '.join(p or '<root>' for p, _ in found)}): scale_loss cannot tell which scale "
-      "the gradients will be unscaled by. For several param groups or optimizers that "
-      "share one scale (torch's scaler.step(opt0); scaler.step(opt1); scaler.update()), "
-      "wrap them all in ONE dynamic_loss_scale(optax.multi_transform(...)) or "
-      "optax.partition; for scalers that are really separate, pass the sub-state of the "
-      "one whose gradients this loss produces."
-    )
-  return get_scale_state(state).scale
-
-
 def scale_loss(loss: PyTree, state: ScaleLike) -> PyTree:
   """The loss multiplied by the current scale, in at least float32.
 
@@ -376,7 +358,7 @@ def scale_loss(loss: PyTree, state: ScaleLike) -> PyTree:
     (Array(65536., dtype=float32), [Array(32768., dtype=float32)])
   """
   check_accumulation(state)
-  scale = _the_scale(state)
+  scale = scale_of(state)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(loss)
   if not leaves:
     raise ValueError(f"loss must hold at least one float array, got {loss!r}.")
