@@ -12,6 +12,7 @@ gradients, which is what the next step's backward pass quantizes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from typing import Callable
 
@@ -64,3 +65,21 @@ def gradient_leaves(tree: Any) -> list[Any]:
   """The leaves of ``tree`` that are not fp8 meta, in tree order."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return [x for path, x in flat if not _is_meta_path(path)]
+
+
+def split_variables(tree: Any) -> tuple[Any, Any]:
+  """Flax's ``TrainState`` layout: ``{"params": p, FP8_META: m}`` gives ``(p, m)``.
+
+  The one place that reads that layout (``jax_lossscale.flax.TrainState``'s ``create``
+  and ``apply_gradients``): the optimizer sees ``p`` only, and ``m`` is overwritten by
+  the gradient's value. Any other tree gives ``(tree, None)``. (The Optax wrappers and
+  ``value_and_grad`` find fp8 meta at any depth, with :func:`has_fp8_meta`.)
+  """
+  if isinstance(tree, Mapping) and FP8_META in tree:
+    return tree["params"], tree[FP8_META]
+  return tree, None
+
+
+def join_variables(params: Any, meta: Any) -> Any:
+  """The inverse of :func:`split_variables`."""
+  return params if meta is None else {"params": params, FP8_META: meta}

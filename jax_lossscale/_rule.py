@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_lossscale._product import scale_product
 from jax_lossscale._state import DynamicScaleState
 from jax_lossscale._typing import ArrayLike
-
-_INT32_MAX = np.iinfo(np.int32).max
-
-
-def _safe_increment(x: jax.Array) -> jax.Array:
-  """``x + 1`` saturating at the int32 maximum instead of wrapping."""
-  return jnp.where(x < _INT32_MAX, x + 1, x)
 
 
 def update_scale(state: DynamicScaleState, grads_finite: ArrayLike) -> DynamicScaleState:
@@ -67,8 +60,9 @@ def update_scale(state: DynamicScaleState, grads_finite: ArrayLike) -> DynamicSc
     raise ValueError(
       f"grads_finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
     )
-  skipped = _safe_increment(state.skipped_steps)
-  consecutive = _safe_increment(state.consecutive_skips)
+  # Saturating at the int32 maximum instead of wrapping (optax's own increment).
+  skipped = optax.safe_int32_increment(state.skipped_steps)
+  consecutive = optax.safe_int32_increment(state.consecutive_skips)
   new = state.replace(
     skipped_steps=jnp.where(finite, state.skipped_steps, skipped),
     consecutive_skips=jnp.where(finite, jnp.zeros_like(consecutive), consecutive),

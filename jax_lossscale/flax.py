@@ -16,7 +16,6 @@ Two ways to use loss scaling with Flax:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -28,7 +27,6 @@ import optax
 
 try:
   from flax import struct
-  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
   from flax.training import train_state
 except ImportError as e:  # pragma: no cover - exercised in a venv without flax
   raise ImportError(
@@ -36,7 +34,9 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without flax
   ) from e
 
 from jax_lossscale._fp8 import gradient_leaves
+from jax_lossscale._fp8 import join_variables
 from jax_lossscale._fp8 import map_gradients
+from jax_lossscale._fp8 import split_variables
 from jax_lossscale._numerics import all_finite
 from jax_lossscale._numerics import compute_dtype
 from jax_lossscale._numerics import is_float
@@ -244,10 +244,7 @@ class TrainState(train_state.TrainState):
       raise ValueError(
         f"dynamic_scale must be a DynamicScaleState, got {type(dynamic_scale).__name__}."
       )
-    if not isinstance(params, jax.Array) and OVERWRITE_WITH_GRADIENT in params:
-      params_with_opt = params["params"]
-    else:
-      params_with_opt = params
+    params_with_opt, _ = split_variables(params)
     opt_state = place_like_params(tx.init(promote_floats(params_with_opt)), params_with_opt)
     if scale_states(opt_state):
       raise ValueError(
@@ -306,20 +303,17 @@ class TrainState(train_state.TrainState):
       raise ValueError(
         f"finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
       )
-    owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
-    grads_with_opt = grads["params"] if owg else grads
-    params_with_opt = self.params["params"] if owg else self.params
+    grads_with_opt, meta = split_variables(grads)
+    params_with_opt = split_variables(self.params)[0] if meta is not None else self.params
     updates, new_opt_state = self.tx.update(
       promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)
     )
-    new_params = _apply_updates(params_with_opt, updates)
-    if owg:
-      new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+    new_params = join_variables(_apply_updates(params_with_opt, updates), meta)
     new_params, opt_state = skip_step(
       finite, new_params, self.params, new_opt_state, self.opt_state
     )
     return self.replace(
-      step=jnp.where(finite, self.step + 1, self.step),
+      step=jnp.where(finite, optax.safe_int32_increment(self.step), self.step),
       params=new_params,
       opt_state=opt_state,
       dynamic_scale=update_scale(self.dynamic_scale, finite),

@@ -1,4 +1,10 @@
-"""One resolver of a ``ScaleLike`` (``_state.scale_of``), at every entry point taking a scale."""
+"""One resolver per concept, tested at every entry point that uses it.
+
+* the scale of a ``ScaleLike``: ``_state.scale_of``;
+* Flax's fp8 variables layout: ``_fp8.split_variables`` / ``join_variables`` (and
+  ``has_fp8_meta`` for meta at any depth);
+* the saturating step increment: ``optax.safe_int32_increment``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -72,3 +78,33 @@ def test_a_state_with_two_scalers_or_none_is_refused_at_every_entry_point(entry)
 def test_scale_of_is_float32():
   assert scale_of(3).dtype == jnp.float32
   assert scale_of(np.float16(2.0)).dtype == jnp.float32
+
+
+def test_the_fp8_layout_is_split_and_joined_in_one_place():
+  from jax_lossscale._fp8 import FP8_META
+  from jax_lossscale._fp8 import has_fp8_meta
+  from jax_lossscale._fp8 import join_variables
+  from jax_lossscale._fp8 import split_variables
+
+  p, m = {"w": jnp.ones(2)}, {"amax": jnp.zeros(3)}
+  variables = {"params": p, FP8_META: m}
+  assert split_variables(variables) == (p, m)
+  assert split_variables(p) == (p, None)
+  assert join_variables(p, m) == variables and join_variables(p, None) is p
+  assert has_fp8_meta({"model": variables}) and not has_fp8_meta(p)
+
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def test_step_and_skip_counters_saturate_at_the_int32_maximum():
+  import jax_lossscale.flax as jflax
+
+  ds = jls.DynamicScaleState.create()
+  ds = ds.replace(skipped_steps=jnp.int32(INT32_MAX), consecutive_skips=jnp.int32(INT32_MAX))
+  after = jls.update_scale(ds, jnp.bool_(False))
+  assert int(after.skipped_steps) == int(after.consecutive_skips) == INT32_MAX
+  state = jflax.TrainState.create(apply_fn=None, params=G, tx=optax.sgd(1.0))
+  state = state.replace(step=jnp.int32(INT32_MAX))
+  state = state.apply_gradients(grads=G)
+  assert int(state.step) == INT32_MAX  # saturates as optax's counters do, no wrap to -2**31
