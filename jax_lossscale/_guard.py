@@ -21,7 +21,9 @@ LossScaleError.__module__ = "jax_lossscale"
 def _check_limit(name: str, value: Any) -> int | None:
   if value is None:
     return None
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a non-negative integer or None, got {value!r}.")
+  if value < 0:
     raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}.")
   return int(value)
 
@@ -61,7 +63,8 @@ def check_skips(
   Raises:
     LossScaleError: a limit was passed; the message names the count, the limit
       and the current scale.
-    ValueError: a limit is not a non-negative integer, ``state`` holds no
+    TypeError: a limit is not an integer (or None).
+    ValueError: a limit is negative, ``state`` holds no
       (or more than one) :class:`DynamicScaleState`, or it is called on
       traced values (inside ``jit``).
 

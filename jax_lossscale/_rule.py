@@ -53,7 +53,7 @@ def update_scale(state: DynamicScaleState, grads_finite: ArrayLike) -> DynamicSc
     8.0 0
   """
   if not isinstance(state, DynamicScaleState):
-    raise ValueError(f"state must be a DynamicScaleState, got {type(state).__name__}.")
+    raise TypeError(f"state must be a DynamicScaleState, got {type(state).__name__}.")
   c = state.config
   finite = jnp.asarray(grads_finite)
   if finite.dtype != jnp.bool_ or finite.shape != ():

@@ -20,9 +20,10 @@ MAX_F32 = float(_F32.max)
 
 
 def check_positive_finite(name: str, value: Any) -> float:
-  """``value`` as a float; ``ValueError`` naming ``name`` unless a positive finite real."""
+  """``value`` as a float: ``TypeError`` naming ``name`` unless a real number,
+  ``ValueError`` unless positive and finite."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-    raise ValueError(f"{name} must be a Python or NumPy real number, got {value!r}.")
+    raise TypeError(f"{name} must be a Python or NumPy real number, got {value!r}.")
   value = float(value)
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"{name} must be positive and finite, got {value!r}.")
@@ -30,9 +31,10 @@ def check_positive_finite(name: str, value: Any) -> float:
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
-  """``value`` as an int in ``[minimum, 2**31 - 1]``; ``ValueError`` naming ``name`` otherwise."""
+  """``value`` as an int in ``[minimum, 2**31 - 1]``: ``TypeError`` naming ``name`` unless an
+  integer, ``ValueError`` outside the range."""
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r}.")
   value = int(value)
   if value < minimum or value > np.iinfo(np.int32).max:
     raise ValueError(f"{name} must be an integer in [{minimum}, 2**31 - 1], got {value!r}.")
@@ -129,7 +131,7 @@ class DynamicScaleConfig:
     set_("min_scale", min_scale)
     set_("max_scale", max_scale)
     if not isinstance(self.dynamic, (bool, np.bool_)):
-      raise ValueError(f"dynamic must be a bool, got {self.dynamic!r}.")
+      raise TypeError(f"dynamic must be a bool, got {self.dynamic!r}.")
     set_("dynamic", bool(self.dynamic))
 
 
@@ -199,6 +201,7 @@ class DynamicScaleState:
     Arguments are those of :class:`DynamicScaleConfig` (torch's defaults).
 
     Raises:
+      TypeError: naming the argument, for an argument of the wrong type.
       ValueError: naming the argument, for any invalid value.
     """
     config = DynamicScaleConfig(
@@ -217,7 +220,7 @@ class DynamicScaleState:
   def from_config(cls, config: DynamicScaleConfig) -> DynamicScaleState:
     """The initial state for an already validated ``config``."""
     if not isinstance(config, DynamicScaleConfig):
-      raise ValueError(f"config must be a DynamicScaleConfig, got {type(config).__name__}.")
+      raise TypeError(f"config must be a DynamicScaleConfig, got {type(config).__name__}.")
     # One buffer per leaf: shared buffers cannot be donated (donate_argnums).
     zero = lambda: jnp.zeros([], jnp.int32)
     return cls(

@@ -108,7 +108,7 @@ def _is_scalar_number(x: Any) -> bool:
 def _real(sd: Mapping, key: str) -> float:
   x = sd[key]
   if not _is_scalar_number(x):
-    raise ValueError(f"state_dict[{key!r}] must be a real number, got {x!r}.")
+    raise TypeError(f"state_dict[{key!r}] must be a real number, got {x!r}.")
   value = float(x)
   if not math.isfinite(value):
     raise ValueError(f"state_dict[{key!r}] must be finite, got {value!r}.")
@@ -121,7 +121,7 @@ def _integer(sd: Mapping, key: str) -> int:
     value = x.item() if hasattr(x, "item") else x
     if isinstance(value, numbers.Integral):
       return int(value)
-  raise ValueError(f"state_dict[{key!r}] must be an integer, got {x!r}.")
+  raise TypeError(f"state_dict[{key!r}] must be an integer, got {x!r}.")
 
 
 def from_torch_state_dict(
@@ -154,6 +154,8 @@ def from_torch_state_dict(
     The :class:`DynamicScaleState`.
 
   Raises:
+    TypeError: ``sd`` is not a dict, or a value is not a number (an integer
+      where torch stores one), naming the key.
     ValueError: for an empty dict (saved from a disabled ``GradScaler``),
       missing or unknown keys, or invalid values, naming the key.
 
@@ -166,7 +168,7 @@ def from_torch_state_dict(
     (Array(32768., dtype=float32), Array(17, dtype=int32))
   """
   if not isinstance(sd, Mapping):
-    raise ValueError(f"sd must be a dict (GradScaler.state_dict()), got {type(sd).__name__}.")
+    raise TypeError(f"sd must be a dict (GradScaler.state_dict()), got {type(sd).__name__}.")
   if len(sd) == 0:
     raise ValueError(
       "sd is empty: it was saved from a disabled GradScaler (enabled=False), "

@@ -69,7 +69,7 @@ def _cast_updates(new_updates: Any, grads: Any, params: Any) -> Any:
 
 def _check_state(state: Any, config: DynamicScaleConfig) -> None:
   if not isinstance(state, LossScaleState):
-    raise ValueError(
+    raise TypeError(
       "state must be the LossScaleState made by this transformation's init, "
       f"got {type(state).__name__}."
     )
@@ -98,7 +98,7 @@ def _loss_scale_transform(
   axis_name: Any | None,
 ) -> optax.GradientTransformationExtraArgs:
   if not isinstance(inner, optax.GradientTransformation):
-    raise ValueError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
+    raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -188,6 +188,8 @@ def dynamic_loss_scale(
     arguments of ``update`` are passed through to ``inner``.
 
   Raises:
+    TypeError: naming the argument, for an argument of the wrong type (``inner``
+      not a ``GradientTransformation``, a non-number ``init_scale``...).
     ValueError: naming the argument, for invalid configuration.
 
   Examples:

@@ -128,14 +128,14 @@ def value_and_grad(
     (Array(5., dtype=float32), Array([2., 4.], dtype=float32), Array(True, dtype=bool))
   """
   if not callable(fun):
-    raise ValueError(f"fun must be callable, got {type(fun).__name__}.")
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   dynamic_scale = get_scale_state(scale)
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
-        raise ValueError(
+        raise TypeError(
           f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
         )
       loss, aux = out
@@ -235,13 +235,13 @@ class TrainState(train_state.TrainState):
       **kwargs: further fields of a subclass.
 
     Raises:
-      ValueError: if ``dynamic_scale`` is not a :class:`DynamicScaleState`,
-        or ``tx`` already carries a loss scaler.
+      TypeError: if ``dynamic_scale`` is not a :class:`DynamicScaleState`.
+      ValueError: if ``tx`` already carries a loss scaler.
     """
     if dynamic_scale is None:
       dynamic_scale = DynamicScaleState.create()
     if not isinstance(dynamic_scale, DynamicScaleState):
-      raise ValueError(
+      raise TypeError(
         f"dynamic_scale must be a DynamicScaleState, got {type(dynamic_scale).__name__}."
       )
     params_with_opt, _ = split_variables(params)
