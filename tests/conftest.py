@@ -29,7 +29,7 @@ import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tests/mutate.py
+if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tools/mutation/mutate.py
   try:
     from hypothesis import Phase
     from hypothesis import settings

@@ -1,4 +1,4 @@
-"""The semantic mutants ``tests/mutate.py`` runs (``make mutate``).
+"""The semantic mutants ``tools/mutation/mutate.py`` runs (``make mutate``).
 
 Each :class:`Mutant` is one realistic bug: ``old`` must occur exactly once in
 ``file`` (the runner stops when it does not: re-sync the snippet after a
@@ -919,7 +919,7 @@ MUTANTS = [
 ]
 
 
-#: Generated mutants (``tests/mutagen.py``) that no test can tell from the
+#: Generated mutants (``tools/mutation/mutagen.py``) that no test can tell from the
 #: original, by name, with the reason.
 EQUIVALENT: dict[str, str] = {
   "_guard:check_skips:drop-kwarg:separator:a020": (
