@@ -123,7 +123,7 @@ def test_defaults_match_torch_gradscaler_signature():
 
 _MISSING_DEPENDENCY_TESTS = """
 import pytest
-from conftest import import_optional
+from helpers import import_optional
 
 def test_import_optional():
   import_optional("chex.no_such_module")

@@ -8,8 +8,8 @@ The entry points: the Optax wrappers (``dynamic_loss_scale``,
 ``tests/test_sharding.py``.)
 """
 
-from conftest import standard_promotion
 from flax import nnx
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -55,6 +55,8 @@ import time
 
 PACKAGE = "jax_lossscale"
 TOOL_DIR = os.path.join("tools", "mutation")  # this module, relative to the repository root
+# What every test runs besides its own file: the fixtures and hooks, the shared helpers.
+TEST_SUPPORT = ("tests/conftest.py", "tests/helpers.py")
 
 _NEGATE = {
   ast.Lt: ast.GtE,
@@ -392,7 +394,7 @@ def pytest_configure(config):
 
 def sources_hash(root: str, test_files: list[str]) -> str:
   h = hashlib.sha256()
-  for rel in package_modules(root) + sorted(test_files) + ["tests/conftest.py"]:
+  for rel in package_modules(root) + sorted(test_files) + list(TEST_SUPPORT):
     h.update(rel.encode())
     with open(os.path.join(root, rel), "rb") as f:
       h.update(f.read())

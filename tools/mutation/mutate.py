@@ -369,11 +369,11 @@ def _generated_task(
 
 
 def _package_key(copy: str, task: dict, mutated: bytes) -> str:
-  """A hash of the mutant and the package it lives in (every module, conftest), not the tests."""
+  """A hash of the mutant and the package it lives in (every module, conftest, helpers), not the tests."""
   h = hashlib.sha256(task["name"].encode() + b"\0" + mutated)
-  for rel in [f for f in mutagen.package_modules(copy) if f != task["file"]] + [
-    "tests/conftest.py"
-  ]:
+  for rel in [f for f in mutagen.package_modules(copy) if f != task["file"]] + list(
+    mutagen.TEST_SUPPORT
+  ):
     with open(os.path.join(copy, rel), "rb") as f:
       h.update(rel.encode() + f.read())
   return h.hexdigest()[:24]
@@ -565,7 +565,10 @@ def main(argv=None) -> int:
     copy = copies[0]
     errors = check_snippets(copy, list(MUTANTS))
     if errors:
-      print("mutate: mutants out of date with the code (fix tools/mutation/mutants.py):", file=sys.stderr)
+      print(
+        "mutate: mutants out of date with the code (fix tools/mutation/mutants.py):",
+        file=sys.stderr,
+      )
       for e in errors:
         print("  " + e, file=sys.stderr)
       return 2
