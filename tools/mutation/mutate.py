@@ -90,7 +90,7 @@ COVERAGE_EXCLUDE = {
   "test_gpu.py",
   "test_demo.py",
   "test_multiprocess.py",
-  "test_async.py",
+  "test_entry_points_async.py",
 }
 
 
