@@ -48,6 +48,7 @@ REQUIRED_IN_CI = (
   "jax_resnet",
   "jraph",
   "transformers",
+  "yaml",
 )
 
 
