@@ -70,8 +70,14 @@ gpu-bench:
 gpu-bench-large:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_large.py --out $(BENCH_OUT)
 
+MUTATE_STAMP := $(VENV)/.installed-mutate
+
+$(MUTATE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,mutate]"
+	touch $(MUTATE_STAMP)
+
 # Not part of `make test` or CI: run it before stopping whenever the update path changed.
-mutate: $(STAMP)
+mutate: $(MUTATE_STAMP)
 	$(PY) tools/mutation/mutate.py $(MUTATE_ARGS)
 
 LINT_STAMP := $(VENV)/.installed-lint
