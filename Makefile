@@ -14,7 +14,7 @@ help:
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
-	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tests/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run"
+	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
 	@echo "make docs        - the docs site into site/ (mkdocs build --strict), then its internal links checked"
 	@echo "make docs-serve  - the docs site on http://127.0.0.1:8000 while editing"
@@ -53,7 +53,7 @@ bench-quick: $(BENCH_STAMP)
 # Runs on a GPU machine with what is installed there (no network, no venv).
 # The CUDA comparison tests, then the exactness, numerics, config and transform
 # tests on the GPU backend (XLA:GPU keeps subnormals, so they check every bit).
-GPU_TESTS := tests/test_skip.py tests/test_numerics.py tests/test_config.py tests/test_transform.py
+GPU_TESTS := tests/test_skip.py tests/test_numerics.py tests/test_transform_config.py tests/test_transform.py
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
 	PYTHONPATH=. $(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_TESTS)
@@ -70,9 +70,15 @@ gpu-bench:
 gpu-bench-large:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_large.py --out $(BENCH_OUT)
 
+MUTATE_STAMP := $(VENV)/.installed-mutate
+
+$(MUTATE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,mutate]"
+	touch $(MUTATE_STAMP)
+
 # Not part of `make test` or CI: run it before stopping whenever the update path changed.
-mutate: $(STAMP)
-	$(PY) tests/mutate.py $(MUTATE_ARGS)
+mutate: $(MUTATE_STAMP)
+	$(PY) tools/mutation/mutate.py $(MUTATE_ARGS)
 
 LINT_STAMP := $(VENV)/.installed-lint
 

@@ -49,7 +49,7 @@ def machine_info() -> dict[str, Any]:
     commit = ""
   dev = jax.devices()[0]
   return {
-    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     "platform": platform.platform(),
     "cpu": cpu,
     "cpu_count": os.cpu_count(),

@@ -2,14 +2,16 @@
 
 * Eight CPU devices (for the multi-device tests), set before JAX is imported.
 * ``jax_numpy_dtype_promotion="strict"``: no silent dtype promotion anywhere.
-* ``maybe_jit``: run a test's function both eagerly and under ``jax.jit``.
-* ``slow_batch``: a long device computation that returns its input, for
-  proving that code does not wait for the device (see ``tests/test_async.py``).
+* Fixtures: ``maybe_jit`` (run a test's function both eagerly and under
+  ``jax.jit``), ``fresh_warnings`` (the once-per-process warnings armed again).
 * In CI (``CI=true``) no test may be skipped for a missing optional dependency
-  that ``make test`` installs (torch, hypothesis, orbax, scikit-learn,
-  matplotlib, flax, equinox, chex, jmp, tqdm, and the public models' jax-resnet, jraph and
-  transformers): :func:`import_optional` fails there, and
-  ``pytest.importorskip`` of one of them is turned into a failure too.
+  that ``make test`` installs (``helpers.REQUIRED_IN_CI``): ``helpers.import_optional``
+  fails there, and the hooks below turn ``pytest.importorskip`` of one of them
+  into a failure too.
+
+The helper functions the test files share live in ``tests/helpers.py``
+(``from helpers import ...``); they are re-exported here for the files that
+still import them from ``conftest``.
 """
 
 import os
@@ -18,18 +20,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
-import importlib
 import re
-import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tests/mutate.py
+# Re-exported: test files that predate tests/helpers.py import these from conftest.
+from helpers import REQUIRED_IN_CI  # noqa: E402
+from helpers import calibrated_iterations  # noqa: E402, F401
+from helpers import has_cuda  # noqa: E402, F401
+from helpers import import_optional  # noqa: E402, F401
+from helpers import import_torch  # noqa: E402, F401
+from helpers import in_ci  # noqa: E402
+from helpers import slow_batch  # noqa: E402, F401
+from helpers import standard_promotion  # noqa: E402, F401
+
+if os.environ.get("JAX_LOSSSCALE_MUTATE"):  # set by tools/mutation/mutate.py
   try:
     from hypothesis import Phase
     from hypothesis import settings
@@ -47,57 +55,6 @@ def maybe_jit(request):
   if request.param:
     return jax.jit
   return lambda f, *args, **kwargs: f
-
-
-def has_cuda() -> bool:
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
-
-
-#: Optional test dependencies that ``make test`` installs (the ``test`` extra),
-#: by import name. In CI a test that needs one of them fails when it is missing.
-REQUIRED_IN_CI = (
-  "torch",
-  "hypothesis",
-  "orbax",
-  "sklearn",
-  "matplotlib",
-  "flax",
-  "equinox",
-  "chex",
-  "jmp",
-  "tqdm",
-  "jax_resnet",
-  "jraph",
-  "transformers",
-)
-
-
-def in_ci() -> bool:
-  """Whether the suite runs in CI (``CI`` set to ``1``, ``true`` or ``yes``)."""
-  return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def import_optional(name: str):
-  """Imports module ``name``; skips the test if it is missing, but fails in CI.
-
-  Use it instead of ``pytest.importorskip`` for the dependencies in
-  :data:`REQUIRED_IN_CI`: a missing install step in CI must not turn a whole
-  file of tests into silent skips.
-  """
-  try:
-    return importlib.import_module(name)
-  except ImportError as e:
-    if in_ci() and name.split(".")[0] in REQUIRED_IN_CI:
-      pytest.fail(f"{name} is required in CI (it is in the test extra): {e}", pytrace=False)
-    pytest.skip(f"{name} is not installed", allow_module_level=True)
-
-
-def import_torch():
-  """Imports torch; skips the test outside CI if torch is missing, fails in CI."""
-  return import_optional("torch")
 
 
 def _missing_required_module(report) -> str:
@@ -130,47 +87,6 @@ def pytest_runtest_makereport(item, call):
   """In CI, an ``importorskip`` of a required dependency inside a test fails it."""
   outcome = yield
   _fail_required_skip(outcome.get_result())
-
-
-def standard_promotion():
-  """Standard dtype promotion, for third-party code that is not strict-clean.
-
-  ``optax.adam`` computes ``b1 ** count`` (a Python float to an int32 power),
-  which strict promotion rejects; use this context around steps that run Adam.
-  jax_lossscale's own code runs under strict promotion everywhere else.
-  """
-  return jax.numpy_dtype_promotion("standard")
-
-
-@jax.jit
-def _slow_batch(x, n):
-  def body(_, m):
-    return jnp.tanh(m @ m) * np.float32(0.5)
-
-  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
-  # Depends on the loop's result, equals x (m is finite and bounded).
-  return x + jnp.zeros_like(x) * m[0, 0]
-
-
-def slow_batch(x, n):
-  """``x`` unchanged, after ``n`` dependent 256x256 matmuls (a long device computation).
-
-  Whatever is computed from the result cannot be ready before the loop ends;
-  so code that returns while the result is not ready has not waited for it
-  (on CPU ``jax.transfer_guard`` never fires for device-resident values, so
-  this is how "no host sync" is proven).
-  """
-  return _slow_batch(x, n)
-
-
-def calibrated_iterations(x, seconds=1.0):
-  """Loop length for which :func:`slow_batch` runs about ``seconds``."""
-  n = 64
-  _slow_batch(x, n).block_until_ready()  # compile
-  t0 = time.perf_counter()
-  _slow_batch(x, n).block_until_ready()
-  dt = max(time.perf_counter() - t0, 1e-4)
-  return int(min(max(n * seconds / dt, 64), 1_000_000))
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import glob
 import importlib.util
 import os
 
-from conftest import in_ci
-from conftest import standard_promotion
+from helpers import in_ci
+from helpers import standard_promotion
 import numpy as np
 import pytest
 

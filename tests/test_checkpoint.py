@@ -24,7 +24,7 @@ import optax
 import pytest
 
 if __name__ != "__main__":
-  from conftest import import_optional
+  from helpers import import_optional
 
   ocp = import_optional("orbax.checkpoint")
 

@@ -9,7 +9,7 @@ compiled too, as a control that the count detects the copies.
 
 import re
 
-from conftest import standard_promotion
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -3,8 +3,8 @@
 import time
 from typing import NamedTuple
 
-from conftest import calibrated_iterations
-from conftest import slow_batch
+from helpers import calibrated_iterations
+from helpers import slow_batch
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -14,8 +14,8 @@ import pathlib
 import re
 import sys
 
-from conftest import REQUIRED_IN_CI
-from conftest import in_ci
+from helpers import REQUIRED_IN_CI
+from helpers import in_ci
 import jax
 import pytest
 

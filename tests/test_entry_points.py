@@ -4,12 +4,12 @@ The entry points: the Optax wrappers (``dynamic_loss_scale``,
 ``static_loss_scale``, ``no_loss_scale``), ``multi_steps`` around a wrapper,
 ``jax_lossscale.flax.TrainState`` with its ``value_and_grad``, and a stock
 ``nnx.Optimizer`` around a wrapper. (One decision on many devices:
-``tests/test_one_decision.py``; the bit-exact skip: ``tests/test_skip.py`` and
+``tests/test_entry_points_one_decision.py``; the bit-exact skip: ``tests/test_skip.py`` and
 ``tests/test_sharding.py``.)
 """
 
-from conftest import standard_promotion
 from flax import nnx
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,7 @@
 """Equinox: filter_value_and_grad of a scaled loss, filtered params, skip bit for bit."""
 
-from conftest import standard_promotion
 import equinox as eqx
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

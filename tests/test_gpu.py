@@ -6,7 +6,7 @@ plugin and a CUDA build of torch). Skipped cleanly everywhere else.
 
 import zlib
 
-from conftest import has_cuda
+from helpers import has_cuda
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -2,8 +2,8 @@
 
 import time
 
-from conftest import calibrated_iterations
-from conftest import slow_batch
+from helpers import calibrated_iterations
+from helpers import slow_batch
 import jax
 import jax.numpy as jnp
 import numpy as np

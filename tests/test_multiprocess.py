@@ -29,8 +29,8 @@ import subprocess
 import sys
 import time
 
-from conftest import import_optional
-from conftest import in_ci
+from helpers import import_optional
+from helpers import in_ci
 import numpy as np
 import pytest
 

@@ -19,8 +19,8 @@ import contextlib
 import inspect
 from typing import NamedTuple
 
-from conftest import standard_promotion
 from flax import nnx
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType

@@ -9,9 +9,9 @@ step with ``dynamic_loss_scale`` + ``optax.apply_updates``, stock Flax
 ``nnx.Optimizer``.
 """
 
-from conftest import standard_promotion
 from flax import nnx
 from flax.training import train_state
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

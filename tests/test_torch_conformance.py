@@ -9,7 +9,7 @@ float16 arrays themselves), the updates (= minus the unscaled gradients under SG
 
 import zlib
 
-from conftest import import_torch
+from helpers import import_torch
 import numpy as np
 import pytest
 import torch_side_by_side as sbs

@@ -2,7 +2,7 @@
 
 import math
 
-from conftest import import_torch
+from helpers import import_torch
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,7 @@
 """The Optax wrappers: skipping, bit-identity, dtypes, recompilation, validation."""
 
-from conftest import import_optional
-from conftest import standard_promotion
+from helpers import import_optional
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

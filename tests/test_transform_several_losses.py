@@ -8,7 +8,7 @@
   detected (several scalers in the state given to ``scale_loss``) refused.
 """
 
-from conftest import import_torch
+from helpers import import_torch
 import jax
 import jax.numpy as jnp
 import numpy as np

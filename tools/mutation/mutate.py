@@ -2,9 +2,9 @@
 
 Two kinds of mutant:
 
-* **hand-written** (``tests/mutants.py``): one realistic bug each, an exact
+* **hand-written** (``tools/mutation/mutants.py``): one realistic bug each, an exact
   snippet of a module and its replacement, with the tests that should kill it;
-* **generated** (``tests/mutagen.py``): an AST walk over every module of
+* **generated** (``tools/mutation/mutagen.py``): an AST walk over every module of
   ``jax_lossscale/`` (enumerated, so a new module is included) applying six
   operators at every site: a keyword argument dropped, a comparison flipped or
   made (non-)strict, a bound removed, a ``raise`` deleted, a reduction
@@ -43,13 +43,13 @@ so a mutant must run few, chosen tests.
 
 Usage::
 
-  python tests/mutate.py                      # everything, writes tests/mutation-report.md
-  python tests/mutate.py --list               # list the mutants (and check the snippets)
-  python tests/mutate.py --modules _state flax --no-hand   # generated mutants of two modules
-  python tests/mutate.py --sample 4 --limit 50           # every 4th generated mutant, 50 at most
-  python tests/mutate.py --only NAME...       # some mutants (report not written)
-  python tests/mutate.py --only NAME --tests tests/test_x.py::test_y  # does this test kill it?
-  python tests/mutate.py --head               # the last commit, not the working tree
+  python tools/mutation/mutate.py                      # everything, writes tools/mutation/mutation-report.md
+  python tools/mutation/mutate.py --list               # list the mutants (and check the snippets)
+  python tools/mutation/mutate.py --modules _state flax --no-hand   # generated mutants of two modules
+  python tools/mutation/mutate.py --sample 4 --limit 50           # every 4th generated mutant, 50 at most
+  python tools/mutation/mutate.py --only NAME...       # some mutants (report not written)
+  python tools/mutation/mutate.py --only NAME --tests tests/test_x.py::test_y  # does this test kill it?
+  python tools/mutation/mutate.py --head               # the last commit, not the working tree
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+HERE = os.path.dirname(os.path.abspath(__file__))  # tools/mutation
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository root: tests/ and jax_lossscale/
 sys.path.insert(0, HERE)
 
 import mutagen  # noqa: E402
@@ -90,7 +90,8 @@ COVERAGE_EXCLUDE = {
   "test_gpu.py",
   "test_demo.py",
   "test_multiprocess.py",
-  "test_async.py",
+  "test_entry_points_async.py",
+  "test_guarantees.py",  # collects the cited tests in a subprocess; runs no package code
 }
 
 
@@ -255,12 +256,12 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
   lines = [
     "# Mutation report",
     "",
-    "Written by `make mutate` (`tests/mutate.py`). Two kinds of mutant, each applied in a",
+    "Written by `make mutate` (`tools/mutation/mutate.py`). Two kinds of mutant, each applied in a",
     "temporary copy of the repository, with only its tests run (`pytest -x`):",
     "",
-    "* *hand-written* (`tests/mutants.py`): one realistic bug each, with the tests meant to",
+    "* *hand-written* (`tools/mutation/mutants.py`): one realistic bug each, with the tests meant to",
     "  kill it;",
-    "* *generated* (`tests/mutagen.py`): every site of six operators in every module of",
+    "* *generated* (`tools/mutation/mutagen.py`): every site of six operators in every module of",
     "  `jax_lossscale/` (a keyword argument dropped, a comparison flipped or made",
     "  (non-)strict, a bound removed, a `raise` deleted, a reduction swapped, a branch",
     "  forced), named `module:function:operator:hash`; each runs the fastest tests that ran its",
@@ -268,7 +269,7 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     "  that ran it (up to the limit given under Selection).",
     "",
     "*killed*: the tests fail; *equivalent*: they pass and the mutant cannot change an",
-    "observable value (reason given, `EQUIVALENT` in `tests/mutants.py` for generated ones);",
+    "observable value (reason given, `EQUIVALENT` in `tools/mutation/mutants.py` for generated ones);",
     "*survived*: they pass (or no test runs the line) although the mutant is a real bug.",
     "",
     f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
@@ -369,11 +370,11 @@ def _generated_task(
 
 
 def _package_key(copy: str, task: dict, mutated: bytes) -> str:
-  """A hash of the mutant and the package it lives in (every module, conftest), not the tests."""
+  """A hash of the mutant and the package it lives in (every module, conftest, helpers), not the tests."""
   h = hashlib.sha256(task["name"].encode() + b"\0" + mutated)
-  for rel in [f for f in mutagen.package_modules(copy) if f != task["file"]] + [
-    "tests/conftest.py"
-  ]:
+  for rel in [f for f in mutagen.package_modules(copy) if f != task["file"]] + list(
+    mutagen.TEST_SUPPORT
+  ):
     with open(os.path.join(copy, rel), "rb") as f:
       h.update(rel.encode() + f.read())
   return h.hexdigest()[:24]
@@ -565,7 +566,10 @@ def main(argv=None) -> int:
     copy = copies[0]
     errors = check_snippets(copy, list(MUTANTS))
     if errors:
-      print("mutate: mutants out of date with the code (fix tests/mutants.py):", file=sys.stderr)
+      print(
+        "mutate: mutants out of date with the code (fix tools/mutation/mutants.py):",
+        file=sys.stderr,
+      )
       for e in errors:
         print("  " + e, file=sys.stderr)
       return 2
@@ -674,7 +678,7 @@ def main(argv=None) -> int:
           print(r["output"], file=sys.stderr)
           print(
             f"mutate: {r['name']}: pytest exit code {r['rc']}: its test list selects nothing "
-            "runnable" + ("; fix tests/mutants.py" if r["kind"] == "hand" else ""),
+            "runnable" + ("; fix tools/mutation/mutants.py" if r["kind"] == "hand" else ""),
             file=sys.stderr,
           )
           if r["kind"] == "hand":

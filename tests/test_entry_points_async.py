@@ -10,9 +10,9 @@ waited for any device value.
 
 import time
 
-from conftest import calibrated_iterations
-from conftest import slow_batch
 import flax.linen as nn
+from helpers import calibrated_iterations
+from helpers import slow_batch
 import jax
 import jax.numpy as jnp
 import optax

@@ -1,4 +1,4 @@
-"""The semantic mutants ``tests/mutate.py`` runs (``make mutate``).
+"""The semantic mutants ``tools/mutation/mutate.py`` runs (``make mutate``).
 
 Each :class:`Mutant` is one realistic bug: ``old`` must occur exactly once in
 ``file`` (the runner stops when it does not: re-sync the snippet after a
@@ -27,18 +27,18 @@ class Mutant:
 # Test files; each mutant lists the test most likely to kill it first, since
 # pytest -x stops at the first failure (a survivor runs them all).
 TR = "tests/test_transform.py"
-ST = "tests/test_storms.py"
-PR = "tests/test_properties.py"
-HY = "tests/test_hysteresis.py"
-SE = "tests/test_seeds.py"
-BAD = "tests/test_bad_input.py"
+ST = "tests/test_rule_storms.py"
+PR = "tests/test_rule_properties.py"
+HY = "tests/test_rule_hysteresis.py"
+SE = "tests/test_transform_seeds.py"
+BAD = "tests/test_transform_bad_input.py"
 CONF = "tests/test_torch_conformance.py"
 INTEROP_TESTS = ("tests/test_torch_interop.py",)
 NUM = "tests/test_numerics.py"
 SK = "tests/test_skip.py"
-COMP = "tests/test_composition.py"
-CFG = "tests/test_config.py"
-ONE = "tests/test_one_decision.py"
+COMP = "tests/test_transform_composition.py"
+CFG = "tests/test_transform_config.py"
+ONE = "tests/test_entry_points_one_decision.py"
 FP8 = "tests/test_fp8.py"
 CKPT = "tests/test_checkpoint.py"
 FL = "tests/test_flax.py"
@@ -919,7 +919,7 @@ MUTANTS = [
 ]
 
 
-#: Generated mutants (``tests/mutagen.py``) that no test can tell from the
+#: Generated mutants (``tools/mutation/mutagen.py``) that no test can tell from the
 #: original, by name, with the reason.
 EQUIVALENT: dict[str, str] = {
   "_guard:check_skips:drop-kwarg:separator:a020": (
@@ -1094,12 +1094,12 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_numerics:promote_floats.promote:if-false:6286": (
     TR + "::test_inner_sees_integer_and_boolean_leaves_as_they_are",
   ),
-  "_product:scale_product:if-true:aa53": ("tests/test_product_ties.py",),
+  "_product:scale_product:if-true:aa53": ("tests/test_product.py",),
   "_product:_smallest_normal_result:cmp-nonstrict:dc8f": (
-    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+    "tests/test_product.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
   ),
   "_product:_smallest_normal_result:if-false:a3d3": (
-    "tests/test_product_ties.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
+    "tests/test_product.py::test_a_factor_so_small_that_no_scale_gives_a_normal_product",
   ),
   "_rule:update_scale:if-false:5bed": (TR + "::test_static_and_disabled_scaling_keep_the_scale",),
   "_rule:update_scale:no-bound:926d": (ST + "::test_upward_storm_never_reaches_inf",),
@@ -1107,7 +1107,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     TR + "::test_non_float_and_none_leaves_pass_through",
   ),
   "_product:_exact_product.rounded:cmp-negate:c1ad": (
-    "tests/test_product_ties.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
+    "tests/test_product.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
   "_rule:_safe_increment:cmp-nonstrict:d9cc": (
     ST + "::test_counters_saturate_instead_of_wrapping",

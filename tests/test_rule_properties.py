@@ -5,7 +5,7 @@ factor products rounded once to float32 (as torch's ``_amp_update_scale_``).
 Each example runs one jitted ``lax.scan`` over a fixed-length sequence.
 """
 
-from conftest import import_optional
+from helpers import import_optional
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -6,8 +6,8 @@ step together and the replicas stay identical; without it (the control)
 only that device skips, so the test can tell the two apart.
 """
 
-from conftest import standard_promotion
 from flax import nnx
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import warnings
 
-from conftest import standard_promotion
+from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,6 +1,6 @@
 """Generated mutants: an AST walk over every module of ``jax_lossscale/``.
 
-The hand-written mutants of ``tests/mutants.py`` find what their author
+The hand-written mutants of ``tools/mutation/mutants.py`` find what their author
 thought of. This module finds the kinds of bug a reviewer finds by rote, at
 every site where they apply, inside function bodies only (no module-level
 code, no docstrings, nothing inside an error message, a warning or a
@@ -27,7 +27,7 @@ Each mutant is named ``module:function:operator:hash``
 name of the function it sits in, the operator, and four hex digits of a hash
 of the snippet and its replacement; a second one of the same name gets
 ``#2``. No line number: a name stays the same when code above it moves, so
-``EQUIVALENT`` and ``PINNED`` in ``tests/mutants.py`` stay valid until the
+``EQUIVALENT`` and ``PINNED`` in ``tools/mutation/mutants.py`` stay valid until the
 mutated snippet itself changes. The same source gives the same mutants in
 the same order. A mutant is a byte
 range of the file and its replacement; the replacement keeps the line count
@@ -54,6 +54,9 @@ import sys
 import time
 
 PACKAGE = "jax_lossscale"
+TOOL_DIR = os.path.join("tools", "mutation")  # this module, relative to the repository root
+# What every test runs besides its own file: the fixtures and hooks, the shared helpers.
+TEST_SUPPORT = ("tests/conftest.py", "tests/helpers.py")
 
 _NEGATE = {
   ast.Lt: ast.GtE,
@@ -391,7 +394,7 @@ def pytest_configure(config):
 
 def sources_hash(root: str, test_files: list[str]) -> str:
   h = hashlib.sha256()
-  for rel in package_modules(root) + sorted(test_files) + ["tests/conftest.py"]:
+  for rel in package_modules(root) + sorted(test_files) + list(TEST_SUPPORT):
     h.update(rel.encode())
     with open(os.path.join(root, rel), "rb") as f:
       h.update(f.read())
@@ -421,7 +424,9 @@ def build_coverage_map(
       return json.load(f)
   out = os.path.join(copy, ".mutagen-coverage.json")
   env = dict(env, JLS_MUTAGEN_COVERAGE=out)
-  env["PYTHONPATH"] = os.pathsep.join([os.path.join(copy, "tests"), env.get("PYTHONPATH", "")])
+  # ``-p mutagen`` loads this module as a plugin: it lives in tools/mutation/ of the copy.
+  plugin_dir = os.path.join(copy, TOOL_DIR)
+  env["PYTHONPATH"] = os.pathsep.join([plugin_dir, env.get("PYTHONPATH", "")])
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mutagen"]
   cmd += ["-o", "addopts=", *tests]
   t0 = time.perf_counter()

@@ -1,0 +1,118 @@
+"""Helpers shared by the test files: ``from helpers import ...``.
+
+Plain functions and constants only; the fixtures and pytest hooks live in
+``tests/conftest.py`` (which sets the eight CPU devices and strict dtype promotion
+before any test module, and so before this one, is imported).
+
+* :func:`import_optional`, :func:`import_torch`: an optional test dependency,
+  skipped where it is missing, a failure in CI (``CI=true``) for the ones in
+  :data:`REQUIRED_IN_CI` (those ``make test`` installs); :func:`in_ci`.
+* :func:`standard_promotion`: standard dtype promotion around third-party code
+  (``optax.adam``) that is not clean under strict promotion.
+* :func:`slow_batch`, :func:`calibrated_iterations`: a long device computation that
+  returns its input, for proving that code does not wait for the device (see
+  ``tests/test_entry_points_async.py``).
+* :func:`has_cuda`: whether JAX sees a CUDA device.
+"""
+
+import importlib
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def has_cuda() -> bool:
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+#: Optional test dependencies that ``make test`` installs (the ``test`` extra),
+#: by import name. In CI a test that needs one of them fails when it is missing.
+REQUIRED_IN_CI = (
+  "torch",
+  "hypothesis",
+  "orbax",
+  "sklearn",
+  "matplotlib",
+  "flax",
+  "equinox",
+  "chex",
+  "jmp",
+  "tqdm",
+  "jax_resnet",
+  "jraph",
+  "transformers",
+  "yaml",
+)
+
+
+def in_ci() -> bool:
+  """Whether the suite runs in CI (``CI`` set to ``1``, ``true`` or ``yes``)."""
+  return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def import_optional(name: str):
+  """Imports module ``name``; skips the test if it is missing, but fails in CI.
+
+  Use it instead of ``pytest.importorskip`` for the dependencies in
+  :data:`REQUIRED_IN_CI`: a missing install step in CI must not turn a whole
+  file of tests into silent skips.
+  """
+  try:
+    return importlib.import_module(name)
+  except ImportError as e:
+    if in_ci() and name.split(".")[0] in REQUIRED_IN_CI:
+      pytest.fail(f"{name} is required in CI (it is in the test extra): {e}", pytrace=False)
+    pytest.skip(f"{name} is not installed", allow_module_level=True)
+
+
+def import_torch():
+  """Imports torch; skips the test outside CI if torch is missing, fails in CI."""
+  return import_optional("torch")
+
+
+def standard_promotion():
+  """Standard dtype promotion, for third-party code that is not strict-clean.
+
+  ``optax.adam`` computes ``b1 ** count`` (a Python float to an int32 power),
+  which strict promotion rejects; use this context around steps that run Adam.
+  jax_lossscale's own code runs under strict promotion everywhere else.
+  """
+  return jax.numpy_dtype_promotion("standard")
+
+
+@jax.jit
+def _slow_batch(x, n):
+  def body(_, m):
+    return jnp.tanh(m @ m) * np.float32(0.5)
+
+  m = jax.lax.fori_loop(0, n, body, jnp.eye(256, dtype=jnp.float32))
+  # Depends on the loop's result, equals x (m is finite and bounded).
+  return x + jnp.zeros_like(x) * m[0, 0]
+
+
+def slow_batch(x, n):
+  """``x`` unchanged, after ``n`` dependent 256x256 matmuls (a long device computation).
+
+  Whatever is computed from the result cannot be ready before the loop ends;
+  so code that returns while the result is not ready has not waited for it
+  (on CPU ``jax.transfer_guard`` never fires for device-resident values, so
+  this is how "no host sync" is proven).
+  """
+  return _slow_batch(x, n)
+
+
+def calibrated_iterations(x, seconds=1.0):
+  """Loop length for which :func:`slow_batch` runs about ``seconds``."""
+  n = 64
+  _slow_batch(x, n).block_until_ready()  # compile
+  t0 = time.perf_counter()
+  _slow_batch(x, n).block_until_ready()
+  dt = max(time.perf_counter() - t0, 1e-4)
+  return int(min(max(n * seconds / dt, 64), 1_000_000))
