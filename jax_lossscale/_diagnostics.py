@@ -78,7 +78,7 @@ def grad_leaf_names(grads: PyTree) -> list[str]:
   return [name for name, _ in _named_float_leaves(grads)]
 
 
-_INT = {4: np.int32, 8: np.int64}
+_INT: dict[int, type[np.signedinteger[Any]]] = {4: np.int32, 8: np.int64}
 
 
 def _leaf_counts(g: jax.Array) -> tuple[jax.Array, ...]:

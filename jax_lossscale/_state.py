@@ -307,8 +307,14 @@ def scale_of(scale: Any) -> jax.Array:
   ``check_underflow``, ``grad_diagnostics``).
 
   Raises:
+    TypeError: ``scale`` is a string, bytes or ``None``.
     ValueError: a state with no loss scaler, or with several.
   """
+  if scale is None or isinstance(scale, (str, bytes)):
+    raise TypeError(
+      "scale must be a number, an array, or a state holding one loss scaler, got "
+      f"{type(scale).__name__}."
+    )
   if isinstance(scale, (int, float)) or (hasattr(scale, "dtype") and not is_scale_state(scale)):
     return jnp.asarray(scale, jnp.float32)
   return jnp.asarray(get_scale_state(scale).scale, jnp.float32)

@@ -153,5 +153,5 @@ def test_nnx_optimizer_refuses_a_state_of_another_config():
 def test_trainstate_refuses_a_scaler_in_tx_and_a_foreign_dynamic_scale():
   with pytest.raises(ValueError, match="already holds a loss scaler"):
     TrainState.create(apply_fn=None, params=_params(), tx=OPTAX["static_loss_scale"]())
-  with pytest.raises(ValueError, match="dynamic_scale must be a DynamicScaleState"):
+  with pytest.raises(TypeError, match="dynamic_scale must be a DynamicScaleState"):
     TrainState.create(apply_fn=None, params=_params(), tx=optax.sgd(1.0), dynamic_scale=SCALE)

@@ -126,11 +126,11 @@ def test_value_and_grad_axis_name_skips_on_every_device():
 
 def test_value_and_grad_rejects_bad_arguments():
   ds = jls.DynamicScaleState.create()
-  with pytest.raises(ValueError, match="fun must be callable"):
+  with pytest.raises(TypeError, match="fun must be callable"):
     value_and_grad(3.0, ds)
   with pytest.raises(ValueError, match="No DynamicScaleState"):
     value_and_grad(jnp.sum, {"not": jnp.zeros(1)})
-  with pytest.raises(ValueError, match="has_aux=True"):
+  with pytest.raises(TypeError, match="has_aux=True"):
     value_and_grad(jnp.sum, ds, has_aux=True)(jnp.ones(2, jnp.float32))
 
 
@@ -169,7 +169,7 @@ def test_trainstate_create_and_fields():
 def test_trainstate_rejects_double_scaling_and_bad_args():
   with pytest.raises(ValueError, match="already holds a loss scaler"):
     _linen_state(jls.dynamic_loss_scale(optax.sgd(0.1)))
-  with pytest.raises(ValueError, match="dynamic_scale must be a DynamicScaleState"):
+  with pytest.raises(TypeError, match="dynamic_scale must be a DynamicScaleState"):
     _linen_state(optax.sgd(0.1), dynamic_scale=65536.0)
   state = _linen_state(optax.sgd(0.1))
   with pytest.raises(ValueError, match="finite must be a boolean scalar"):

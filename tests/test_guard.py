@@ -62,8 +62,10 @@ def test_check_skips_rejects_traced_state_and_bad_limits():
   s = _skipped(1)
   with pytest.raises(ValueError, match="outside jit"):
     jax.jit(lambda s: jls.check_skips(s, max_consecutive_skips=1))(s)
-  for bad in (-1, 1.5, True, "3"):
-    with pytest.raises(ValueError, match="max_consecutive_skips"):
+  with pytest.raises(ValueError, match="max_consecutive_skips"):
+    jls.check_skips(s, max_consecutive_skips=-1)
+  for bad in (1.5, True, "3"):
+    with pytest.raises(TypeError, match="max_consecutive_skips"):
       jls.check_skips(s, max_consecutive_skips=bad)
   with pytest.raises(ValueError, match="No DynamicScaleState"):
     jls.check_skips({"w": jnp.zeros(2)}, max_consecutive_skips=1)

@@ -134,24 +134,36 @@ GOOD = {
 
 
 @pytest.mark.parametrize(
-  "sd, match",
+  "sd, error, match",
   [
-    ({}, "disabled GradScaler"),
-    ([("scale", 1.0)], "sd must be a dict"),
-    ({k: v for k, v in GOOD.items() if k != "_growth_tracker"}, "missing.*_growth_tracker"),
-    ({**GOOD, "step": 3}, "unknown.*step"),
-    ({**GOOD, "scale": "big"}, r"state_dict\['scale'\] must be a real number"),
-    ({**GOOD, "scale": True}, r"state_dict\['scale'\] must be a real number"),
-    ({**GOOD, "scale": math.nan}, r"state_dict\['scale'\] must be finite"),
-    ({**GOOD, "scale": -1.0}, r"state_dict\['scale'\] must be positive"),
-    ({**GOOD, "growth_factor": 0.5}, r"state_dict\['growth_factor'\] must be > 1"),
-    ({**GOOD, "backoff_factor": 1.5}, r"state_dict\['backoff_factor'\] must be in \(0, 1\)"),
-    ({**GOOD, "growth_interval": 2.5}, r"state_dict\['growth_interval'\] must be an integer"),
-    ({**GOOD, "_growth_tracker": -1}, r"_growth_tracker'\] must be in"),
+    ({}, ValueError, "disabled GradScaler"),
+    ([("scale", 1.0)], TypeError, "sd must be a dict"),
+    (
+      {k: v for k, v in GOOD.items() if k != "_growth_tracker"},
+      ValueError,
+      "missing.*_growth_tracker",
+    ),
+    ({**GOOD, "step": 3}, ValueError, "unknown.*step"),
+    ({**GOOD, "scale": "big"}, TypeError, r"state_dict\['scale'\] must be a real number"),
+    ({**GOOD, "scale": True}, TypeError, r"state_dict\['scale'\] must be a real number"),
+    ({**GOOD, "scale": math.nan}, ValueError, r"state_dict\['scale'\] must be finite"),
+    ({**GOOD, "scale": -1.0}, ValueError, r"state_dict\['scale'\] must be positive"),
+    ({**GOOD, "growth_factor": 0.5}, ValueError, r"state_dict\['growth_factor'\] must be > 1"),
+    (
+      {**GOOD, "backoff_factor": 1.5},
+      ValueError,
+      r"state_dict\['backoff_factor'\] must be in \(0, 1\)",
+    ),
+    (
+      {**GOOD, "growth_interval": 2.5},
+      TypeError,
+      r"state_dict\['growth_interval'\] must be an integer",
+    ),
+    ({**GOOD, "_growth_tracker": -1}, ValueError, r"_growth_tracker'\] must be in"),
   ],
 )
-def test_from_torch_state_dict_rejects_bad_input(sd, match):
-  with pytest.raises(ValueError, match=match):
+def test_from_torch_state_dict_rejects_bad_input(sd, error, match):
+  with pytest.raises(error, match=match):
     jls.torch.from_torch_state_dict(sd)
 
 
@@ -189,16 +201,16 @@ def test_from_torch_state_dict_accepts_numpy_and_tensor_scalars(wrap):
 
 
 def test_from_torch_state_dict_rejects_0d_non_numbers():
-  with pytest.raises(ValueError, match=r"state_dict\['growth_interval'\] must be an integer"):
+  with pytest.raises(TypeError, match=r"state_dict\['growth_interval'\] must be an integer"):
     jls.torch.from_torch_state_dict({**GOOD, "growth_interval": np.asarray(10.0)})
-  with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
+  with pytest.raises(TypeError, match=r"state_dict\['scale'\] must be a real number"):
     jls.torch.from_torch_state_dict({**GOOD, "scale": np.asarray([512.0])})
 
 
 @pytest.mark.parametrize("key", ["growth_interval", "_growth_tracker"])
 @pytest.mark.parametrize("value", [10.5, True, np.bool_(True), "10"], ids=repr)
 def test_from_torch_state_dict_names_an_integer_key_that_holds_no_integer(key, value):
-  with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] must be an integer, got "):
+  with pytest.raises(TypeError, match=rf"state_dict\['{key}'\] must be an integer, got "):
     jls.torch.from_torch_state_dict({**GOOD, key: value})
 
 
@@ -217,7 +229,7 @@ def test_from_torch_state_dict_takes_the_settings_torch_does_not_hold():
 
 @pytest.mark.parametrize("wrap", [_numpy_0d, _torch_0d], ids=["numpy-0d-array", "torch-0d-tensor"])
 def test_from_torch_state_dict_rejects_0d_bools(wrap):
-  with pytest.raises(ValueError, match=r"state_dict\['scale'\] must be a real number"):
+  with pytest.raises(TypeError, match=r"state_dict\['scale'\] must be a real number"):
     jls.torch.from_torch_state_dict({**GOOD, "scale": wrap(True)})
 
 

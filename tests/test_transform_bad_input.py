@@ -54,9 +54,9 @@ def test_foreign_state_is_rejected():
   tx = _tx()
   params = {"w": jnp.ones(3, jnp.float32)}
   other = optax.sgd(0.1).init(params)
-  with pytest.raises(ValueError, match="LossScaleState"):
+  with pytest.raises(TypeError, match="LossScaleState"):
     tx.update(params, other, params)
-  with pytest.raises(ValueError, match="DynamicScaleState"):
+  with pytest.raises(TypeError, match="DynamicScaleState"):
     jls.update_scale(other, True)
 
 
@@ -214,9 +214,20 @@ def test_python_float_state_leaf_keeps_float32():
     assert not out.scale.weak_type
 
 
-@pytest.mark.parametrize("bad", ["8", None, float("nan"), float("inf"), -1.0, 0.0, True])
-def test_bad_config_values_name_the_argument(bad):
-  with pytest.raises(ValueError, match="init_scale"):
+@pytest.mark.parametrize(
+  ("bad", "error"),
+  [
+    ("8", TypeError),
+    (None, TypeError),
+    (True, TypeError),
+    (float("nan"), ValueError),
+    (float("inf"), ValueError),
+    (-1.0, ValueError),
+    (0.0, ValueError),
+  ],
+)
+def test_bad_config_values_name_the_argument(bad, error):
+  with pytest.raises(error, match="init_scale"):
     jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=bad)
 
 

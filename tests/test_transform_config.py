@@ -138,13 +138,13 @@ def test_init_scale_may_be_the_smallest_normal_or_the_largest_float32():
 
 
 def test_from_config_refuses_anything_but_a_config():
-  with pytest.raises(ValueError, match="config must be a DynamicScaleConfig, got dict"):
+  with pytest.raises(TypeError, match="config must be a DynamicScaleConfig, got dict"):
     jls.DynamicScaleState.from_config({"init_scale": 2.0})
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_dynamic_must_be_a_bool(value):
-  with pytest.raises(ValueError, match=r"dynamic must be a bool, got"):
+  with pytest.raises(TypeError, match=r"dynamic must be a bool, got"):
     jls.DynamicScaleConfig(dynamic=value)
   assert jls.DynamicScaleConfig(dynamic=np.bool_(False)).dynamic == np.bool_(False)
 
