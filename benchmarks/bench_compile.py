@@ -1,4 +1,4 @@
-"""What the XLA:CPU ordering flags of ``jax_lossscale._skip`` cost in compile time and save in memory.
+"""What the XLA:CPU ordering flags of ``jax_lossscale._scaler._skip`` cost in compile time and save in memory.
 
 In one process, interleaved (the order reversed every other repetition),
 ``--reps`` times each, it compiles the same full train step of a benchmark
@@ -37,7 +37,7 @@ import bench_variants  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_lossscale import _skip  # noqa: E402
+from jax_lossscale._scaler import _skip  # noqa: E402
 
 _ORDERABLE = _skip._orderable
 MODES = {

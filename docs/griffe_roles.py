@@ -27,11 +27,11 @@ class ConfigDefaultsAsValues(griffe.Extension):
   """Shows ``DEFAULT_CONFIG.x`` defaults of signatures as their values (``65536.0``).
 
   The public signatures take their defaults from the one ``DynamicScaleConfig``
-  (``jax_lossscale._state.DEFAULT_CONFIG``); a reader of the reference wants the numbers.
+  (``jax_lossscale._scaler._state.DEFAULT_CONFIG``); a reader of the reference wants the numbers.
   """
 
   def on_function_instance(self, *, func: griffe.Function, **kwargs: Any) -> None:
-    from jax_lossscale._state import DEFAULT_CONFIG
+    from jax_lossscale._scaler._state import DEFAULT_CONFIG
 
     for param in func.parameters:
       default = str(param.default) if param.default is not None else ""

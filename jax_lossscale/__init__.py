@@ -17,7 +17,6 @@ import warnings as _warnings
 from jax_lossscale import checkpoint as checkpoint
 from jax_lossscale import diagnostics as diagnostics
 from jax_lossscale import torch as torch
-from jax_lossscale._accumulation import multi_steps as multi_steps
 from jax_lossscale._autocast import AutocastError as AutocastError
 from jax_lossscale._autocast import ClosedOverTracerError as ClosedOverTracerError
 from jax_lossscale._autocast import UnsupportedPrimitiveError as UnsupportedPrimitiveError
@@ -25,24 +24,25 @@ from jax_lossscale._autocast import autocast as autocast
 from jax_lossscale._autocast import autocast_op as autocast_op
 from jax_lossscale._autocast import autocast_policy as autocast_policy
 from jax_lossscale._autocast import float32 as float32
-from jax_lossscale._guard import LossScaleError as LossScaleError
-from jax_lossscale._guard import check_skips as check_skips
-from jax_lossscale._metrics import metrics as metrics
-from jax_lossscale._numerics import all_finite as all_finite
-from jax_lossscale._numerics import fp16_roundtrip as fp16_roundtrip
-from jax_lossscale._numerics import unscale_and_check as unscale_and_check
-from jax_lossscale._product import scale_product as scale_product
-from jax_lossscale._rule import update_scale as update_scale
-from jax_lossscale._signals import LossScaleWarning as LossScaleWarning
-from jax_lossscale._state import DynamicScaleConfig as DynamicScaleConfig
-from jax_lossscale._state import DynamicScaleState as DynamicScaleState
-from jax_lossscale._state import get_scale_state as get_scale_state
-from jax_lossscale._transform import LossScaleState as LossScaleState
-from jax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
-from jax_lossscale._transform import inner_state as inner_state
-from jax_lossscale._transform import no_loss_scale as no_loss_scale
-from jax_lossscale._transform import scale_loss as scale_loss
-from jax_lossscale._transform import static_loss_scale as static_loss_scale
+from jax_lossscale._scaler._accumulation import multi_steps as multi_steps
+from jax_lossscale._scaler._guard import LossScaleError as LossScaleError
+from jax_lossscale._scaler._guard import check_skips as check_skips
+from jax_lossscale._scaler._metrics import metrics as metrics
+from jax_lossscale._scaler._numerics import all_finite as all_finite
+from jax_lossscale._scaler._numerics import fp16_roundtrip as fp16_roundtrip
+from jax_lossscale._scaler._numerics import unscale_and_check as unscale_and_check
+from jax_lossscale._scaler._product import scale_product as scale_product
+from jax_lossscale._scaler._rule import update_scale as update_scale
+from jax_lossscale._scaler._signals import LossScaleWarning as LossScaleWarning
+from jax_lossscale._scaler._state import DynamicScaleConfig as DynamicScaleConfig
+from jax_lossscale._scaler._state import DynamicScaleState as DynamicScaleState
+from jax_lossscale._scaler._state import get_scale_state as get_scale_state
+from jax_lossscale._scaler._transform import LossScaleState as LossScaleState
+from jax_lossscale._scaler._transform import dynamic_loss_scale as dynamic_loss_scale
+from jax_lossscale._scaler._transform import inner_state as inner_state
+from jax_lossscale._scaler._transform import no_loss_scale as no_loss_scale
+from jax_lossscale._scaler._transform import scale_loss as scale_loss
+from jax_lossscale._scaler._transform import static_loss_scale as static_loss_scale
 
 #: The one version source (pyproject.toml reads it).
 __version__ = "0.1.0"

@@ -6,8 +6,8 @@ in the checkpoint. Save :func:`scale_config_metadata` beside it (for example as
 Orbax ``custom_metadata``) and call :func:`check_scale_config` on restore.
 """
 
-from jax_lossscale._checkpoint import check_scale_config as check_scale_config
-from jax_lossscale._checkpoint import scale_config_metadata as scale_config_metadata
+from jax_lossscale._integrations._checkpoint import check_scale_config as check_scale_config
+from jax_lossscale._integrations._checkpoint import scale_config_metadata as scale_config_metadata
 
 __all__ = (
   "check_scale_config",

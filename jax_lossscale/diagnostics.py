@@ -6,12 +6,12 @@
 * :func:`grad_leaf_names`: the leaf names, on the host, to read the two above.
 """
 
-from jax_lossscale._diagnostics import GradDiagnostics as GradDiagnostics
-from jax_lossscale._diagnostics import UnderflowReport as UnderflowReport
-from jax_lossscale._diagnostics import check_underflow as check_underflow
-from jax_lossscale._diagnostics import grad_diagnostics as grad_diagnostics
-from jax_lossscale._diagnostics import grad_leaf_names as grad_leaf_names
-from jax_lossscale._metrics import nonfinite_leaves as nonfinite_leaves
+from jax_lossscale._diagnostics._stats import GradDiagnostics as GradDiagnostics
+from jax_lossscale._diagnostics._stats import grad_diagnostics as grad_diagnostics
+from jax_lossscale._diagnostics._stats import grad_leaf_names as grad_leaf_names
+from jax_lossscale._diagnostics._underflow import UnderflowReport as UnderflowReport
+from jax_lossscale._diagnostics._underflow import check_underflow as check_underflow
+from jax_lossscale._scaler._metrics import nonfinite_leaves as nonfinite_leaves
 
 __all__ = (
   "GradDiagnostics",

@@ -12,8 +12,10 @@ Examples:
   8.0
 """
 
-from jax_lossscale._torch_interop import from_torch_state_dict as from_torch_state_dict
-from jax_lossscale._torch_interop import to_torch_state_dict as to_torch_state_dict
+from jax_lossscale._integrations._torch_interop import (
+  from_torch_state_dict as from_torch_state_dict,
+)
+from jax_lossscale._integrations._torch_interop import to_torch_state_dict as to_torch_state_dict
 
 __all__ = (
   "from_torch_state_dict",

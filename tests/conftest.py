@@ -97,7 +97,7 @@ def fresh_warnings():
   fired it (it would fail alone and pass in the suite, or the reverse): it takes this
   fixture and asserts the warning with ``pytest.warns``.
   """
-  from jax_lossscale import _signals
+  from jax_lossscale._scaler import _signals
 
   saved = set(_signals._WARNED)
   _signals._WARNED.clear()

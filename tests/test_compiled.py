@@ -2,7 +2,7 @@
 
 A skipped step must leave the optimizer state bit-identical, so it is
 selected with ``jnp.where``. Written naively, XLA on CPU copies every moment
-buffer at the start of the step (see ``jax_lossscale/_skip.py``); these tests
+buffer at the start of the step (see ``jax_lossscale/_scaler/_skip.py``); these tests
 read the compiled HLO and count full-size copies. The naive formulation is
 compiled too, as a control that the count detects the copies.
 """
@@ -18,7 +18,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax
-from jax_lossscale._skip import LARGE
+from jax_lossscale._scaler._skip import LARGE
 
 pytestmark = pytest.mark.skipif(
   jax.default_backend() != "cpu", reason="the copies are an XLA:CPU property"

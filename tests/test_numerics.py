@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._numerics import reciprocal
+from jax_lossscale._scaler._numerics import reciprocal
 
 F32 = np.finfo(np.float32)
 FACTORS = [

@@ -469,7 +469,7 @@ def test_a_large_fsdp_leaf_traced_on_an_explicit_mesh_is_seen_as_sharded():
   """Under ``jit`` the leaves are tracers: the skip reads their sharding from the type
   (``jax.typeof``), so it never takes a one-element slice of a leaf split over ``d``
   (an Explicit mesh refuses that slice)."""
-  from jax_lossscale import _skip
+  from jax_lossscale._scaler import _skip
 
   mesh = _mesh(AxisType.Explicit)
   seen = []

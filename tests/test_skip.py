@@ -22,9 +22,9 @@ from test_nnx import make_optimizer
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax
-from jax_lossscale._skip import LARGE
-from jax_lossscale._skip import skip_step
-from jax_lossscale._skip import skipped_updates
+from jax_lossscale._scaler._skip import LARGE
+from jax_lossscale._scaler._skip import skip_step
+from jax_lossscale._scaler._skip import skipped_updates
 
 SIZES = {"small": 1000, "large": LARGE}
 _UINT = {2: np.uint16, 4: np.uint32}

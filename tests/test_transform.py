@@ -44,7 +44,7 @@ PARAMS = {
 
 def _large_params():
   """Leaves of at least _skip.LARGE elements, which take the copy-free skip on CPU."""
-  from jax_lossscale._skip import LARGE
+  from jax_lossscale._scaler._skip import LARGE
 
   rng = np.random.default_rng(1)
   return {
@@ -130,7 +130,7 @@ def test_clean_step_with_plus_zero_first_outputs_advances_the_state(maybe_jit, a
   """The copy-free skip orders the state select after one element of each large
   output; that must never change the decision. Here the first element of every
   large output of a clean step is +0.0 (all bits 0): the state still advances."""
-  from jax_lossscale._skip import LARGE
+  from jax_lossscale._scaler._skip import LARGE
   from jax_lossscale.flax import TrainState
 
   n = LARGE + 1

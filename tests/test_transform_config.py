@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale import _signals
-from jax_lossscale._state import DEFAULT_CONFIG
+from jax_lossscale._scaler import _signals
+from jax_lossscale._scaler._state import DEFAULT_CONFIG
 
 # ----------------------------------------------------------------------------- defaults
 

@@ -316,9 +316,13 @@ def generate_file(root: str, rel: str) -> list[GenMutant]:
 
 
 def package_modules(root: str) -> list[str]:
-  """Every ``.py`` file of the package (enumerated, so a new module is included)."""
-  pkg = os.path.join(root, PACKAGE)
-  return sorted(f"{PACKAGE}/{name}" for name in os.listdir(pkg) if name.endswith(".py"))
+  """Every ``.py`` file of the package and its subpackages (enumerated, so a new module is
+  included)."""
+  out = []
+  for dirpath, _, names in os.walk(os.path.join(root, PACKAGE)):
+    rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+    out += [f"{rel}/{n}" for n in names if n.endswith(".py") and "__pycache__" not in rel]
+  return sorted(out)
 
 
 def generate(root: str, modules: list[str] | None = None) -> list[GenMutant]:

@@ -48,19 +48,19 @@ MD = "tests/test_multidevice.py"
 SH = "tests/test_sharding.py"
 MET = "tests/test_metrics.py"
 
-RULE = "jax_lossscale/_rule.py"
-INTEROP = "jax_lossscale/_torch_interop.py"
-NUMERICS = "jax_lossscale/_numerics.py"
-PRODUCT = "jax_lossscale/_product.py"
-SKIP = "jax_lossscale/_skip.py"
-TRANSFORM = "jax_lossscale/_transform.py"
-SHARDING = "jax_lossscale/_sharding.py"
-STATE = "jax_lossscale/_state.py"
-FLAX = "jax_lossscale/flax.py"
-ACCUMULATION = "jax_lossscale/_accumulation.py"
-METRICS = "jax_lossscale/_metrics.py"
-CHECKPOINT = "jax_lossscale/_checkpoint.py"
-SIGNALS = "jax_lossscale/_signals.py"
+RULE = "jax_lossscale/_scaler/_rule.py"
+INTEROP = "jax_lossscale/_integrations/_torch_interop.py"
+NUMERICS = "jax_lossscale/_scaler/_numerics.py"
+PRODUCT = "jax_lossscale/_scaler/_product.py"
+SKIP = "jax_lossscale/_scaler/_skip.py"
+TRANSFORM = "jax_lossscale/_scaler/_transform.py"
+SHARDING = "jax_lossscale/_scaler/_sharding.py"
+STATE = "jax_lossscale/_scaler/_state.py"
+FLAX = "jax_lossscale/_integrations/_flax.py"
+ACCUMULATION = "jax_lossscale/_scaler/_accumulation.py"
+METRICS = "jax_lossscale/_scaler/_metrics.py"
+CHECKPOINT = "jax_lossscale/_integrations/_checkpoint.py"
+SIGNALS = "jax_lossscale/_scaler/_signals.py"
 
 MUTANTS = [
   # --- the rule -----------------------------------------------------------------
@@ -187,8 +187,8 @@ MUTANTS = [
   Mutant(
     "rule-counters-wrap",
     RULE,
-    "return jnp.where(x < _INT32_MAX, x + 1, x)",
-    "return x + 1",
+    "skipped = optax.safe_int32_increment(state.skipped_steps)",
+    "skipped = state.skipped_steps + 1",
     (ST + "::test_counters_saturate_instead_of_wrapping", PR),
     "counters wrap to negative at 2**31",
   ),
@@ -672,8 +672,8 @@ MUTANTS = [
   Mutant(
     "flax-step-always-advances",
     FLAX,
-    "step=jnp.where(finite, self.step + 1, self.step),",
-    "step=self.step + 1,",
+    "step=jnp.where(finite, optax.safe_int32_increment(self.step), self.step),",
+    "step=optax.safe_int32_increment(self.step),",
     (FL, NNX),
     "TrainState.step advances on a skipped step",
   ),

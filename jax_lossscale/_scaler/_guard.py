@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_lossscale._state import get_scale_state
+from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._typing import ScaleSource
 
 

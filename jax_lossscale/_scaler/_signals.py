@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._numerics import is_float
-from jax_lossscale._state import scale_states
+from jax_lossscale._scaler._numerics import is_float
+from jax_lossscale._scaler._state import scale_states
 
 
 class LossScaleWarning(UserWarning):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale._numerics import is_float
-from jax_lossscale._state import get_scale_state
+from jax_lossscale._scaler._numerics import is_float
+from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._typing import PyTree
 from jax_lossscale._typing import ScaleSource
 

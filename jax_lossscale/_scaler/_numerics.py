@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._product import exact_reciprocal
-from jax_lossscale._state import scale_of
+from jax_lossscale._scaler._product import exact_reciprocal
+from jax_lossscale._scaler._state import scale_of
 from jax_lossscale._typing import ArrayLike
 from jax_lossscale._typing import PyTree
 from jax_lossscale._typing import ScaleLike
@@ -55,7 +55,7 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   ``inv`` is the correctly rounded float32 reciprocal (torch's
   ``float32(1 / float64(scale))``, computed by
-  :func:`jax_lossscale._product.exact_reciprocal` on every backend) and
+  :func:`jax_lossscale._scaler._product.exact_reciprocal` on every backend) and
   ``shift`` is 1. For scales above 2**126 the reciprocal is
   subnormal and XLA on CPU flushes it to zero, which would silently zero every
   gradient; there ``inv`` is ``2**64 / scale`` and ``shift`` is ``2**64``.

@@ -10,14 +10,14 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._state import DEFAULT_CONFIG
-from jax_lossscale._state import DynamicScaleConfig
-from jax_lossscale._state import DynamicScaleState
-from jax_lossscale._state import check_backoff_factor
-from jax_lossscale._state import check_growth_factor
-from jax_lossscale._state import check_growth_interval
-from jax_lossscale._state import check_init_scale
-from jax_lossscale._state import get_scale_state
+from jax_lossscale._scaler._state import DEFAULT_CONFIG
+from jax_lossscale._scaler._state import DynamicScaleConfig
+from jax_lossscale._scaler._state import DynamicScaleState
+from jax_lossscale._scaler._state import check_backoff_factor
+from jax_lossscale._scaler._state import check_growth_factor
+from jax_lossscale._scaler._state import check_growth_interval
+from jax_lossscale._scaler._state import check_init_scale
+from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._typing import ScaleSource
 
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_lossscale._numerics import is_float
+from jax_lossscale._scaler._numerics import is_float
 
 _BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 # Smaller leaves are left to XLA: copying them is cheap, and the extra
@@ -149,7 +149,7 @@ def skip_step(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale._skip import skip_step
+    >>> from jax_lossscale._scaler._skip import skip_step
     >>> out, state = skip_step(jnp.array(False), jnp.ones(2), jnp.array([-0.0, 1e-40]),
     ...                        {"n": jnp.int32(1)}, {"n": jnp.int32(0)})
     >>> out, state["n"]

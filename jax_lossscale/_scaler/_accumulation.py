@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._sharding import place_like_params
+from jax_lossscale._scaler._sharding import place_like_params
 
 
 class MultiStepsState(optax.MultiStepsState):

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_lossscale._product import scale_product
-from jax_lossscale._state import DynamicScaleState
+from jax_lossscale._scaler._product import scale_product
+from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._typing import ArrayLike
 
 

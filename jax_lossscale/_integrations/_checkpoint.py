@@ -16,8 +16,8 @@ import dataclasses
 from typing import Any
 from typing import Iterable
 
-from jax_lossscale._state import DynamicScaleConfig
-from jax_lossscale._state import scale_states
+from jax_lossscale._scaler._state import DynamicScaleConfig
+from jax_lossscale._scaler._state import scale_states
 from jax_lossscale._typing import ScaleSource
 
 _FORMAT = 1

@@ -1,0 +1,7 @@
+"""Diagnostics: the in-step gradient statistics and the one-off underflow check.
+
+* :mod:`._stats`: :func:`grad_diagnostics`, :class:`GradDiagnostics`, :func:`grad_leaf_names`;
+* :mod:`._underflow`: :func:`check_underflow`, :class:`UnderflowReport`.
+
+The public namespace is :mod:`jax_lossscale.diagnostics`.
+"""

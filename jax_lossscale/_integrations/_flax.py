@@ -1,0 +1,321 @@
+"""Flax integration: a ``TrainState`` carrying the scaler, and a scaled ``value_and_grad``.
+
+Two ways to use loss scaling with Flax:
+
+* **Scaler inside the optimizer** (linen and NNX): build the optimizer with
+  :func:`jax_lossscale.dynamic_loss_scale` and use Flax's stock
+  ``TrainState`` or ``nnx.Optimizer`` unchanged; multiply the loss with
+  ``jax_lossscale.scale_loss(loss, state)`` and hand the (scaled) gradients to
+  ``apply_gradients`` / ``update``. Nothing from this module is needed.
+* **Scaler as a TrainState field** (this module, the pattern of Flax's
+  ``DynamicScale``): :class:`TrainState` has a ``dynamic_scale`` field, any
+  plain Optax optimizer, and :func:`value_and_grad` returns unscaled
+  gradients plus a finiteness flag that :meth:`TrainState.apply_gradients`
+  uses to skip the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+try:
+  from flax import struct
+  from flax.training import train_state
+except ImportError as e:  # pragma: no cover - exercised in a venv without flax
+  raise ImportError(
+    "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
+  ) from e
+
+from jax_lossscale._integrations._fp8 import gradient_leaves
+from jax_lossscale._integrations._fp8 import join_variables
+from jax_lossscale._integrations._fp8 import map_gradients
+from jax_lossscale._integrations._fp8 import split_variables
+from jax_lossscale._scaler._numerics import all_finite
+from jax_lossscale._scaler._numerics import compute_dtype
+from jax_lossscale._scaler._numerics import is_float
+from jax_lossscale._scaler._numerics import promote_floats
+from jax_lossscale._scaler._numerics import refuse_complex
+from jax_lossscale._scaler._numerics import unscale_and_check
+from jax_lossscale._scaler._rule import update_scale
+from jax_lossscale._scaler._sharding import across_axis
+from jax_lossscale._scaler._sharding import place_like_params
+from jax_lossscale._scaler._skip import skip_step
+from jax_lossscale._scaler._state import DynamicScaleState
+from jax_lossscale._scaler._state import get_scale_state
+from jax_lossscale._scaler._state import scale_states
+from jax_lossscale._scaler._transform import scale_loss
+from jax_lossscale._typing import ArrayLike
+from jax_lossscale._typing import AxisName
+from jax_lossscale._typing import ScaleLike
+
+__all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
+
+
+class ScaledValueAndGrad(NamedTuple):
+  """What :func:`value_and_grad` returns.
+
+  Attributes:
+    value: the loss as ``fun`` computed it (not multiplied by the scale).
+    aux: ``fun``'s auxiliary output (``None`` without ``has_aux``); never
+      scaled.
+    grads: the true (unscaled) gradients, in ``promote_types(dtype,
+      float32)`` of each parameter (float16/bfloat16 gradients come out as
+      float32). With ``argnums`` a sequence, a tuple of such pytrees.
+    finite: bool scalar: were all gradients finite? If not, the step must be
+      skipped (:meth:`TrainState.apply_gradients` does so).
+  """
+
+  value: jax.Array
+  aux: Any
+  grads: Any
+  finite: jax.Array
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  scale: ScaleLike,
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+  axis_name: AxisName | None = None,
+) -> Callable[..., ScaledValueAndGrad]:
+  """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
+
+  The functional counterpart of Flax's ``DynamicScale.value_and_grad``: the
+  returned function differentiates ``scale * fun(...)`` (in float32 at
+  least, see :func:`jax_lossscale.scale_loss`), then unscales the gradients
+  and checks them for inf/NaN in one pass. The scaler state is only read;
+  advance it with :func:`jax_lossscale.update_scale` (done by
+  :meth:`TrainState.apply_gradients`). Pure ``jnp``: use it inside ``jit``.
+
+  Args:
+    fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
+      ``has_aux``.
+    scale: a :class:`DynamicScaleState`, or any tree holding exactly one (a
+      :class:`TrainState`).
+    argnums: as in ``jax.value_and_grad``.
+    has_aux: as in ``jax.value_and_grad``.
+    axis_name: inside ``pmap``/``shard_map``, the axis over which the
+      gradients are averaged (``lax.pmean``) before the check, so that every
+      device sees the same gradients and takes the same skip decision. The
+      returned ``value`` is this device's loss.
+
+  Flax fp8 meta-state (leaves under an ``_overwrite_with_gradient`` key, the
+  new scales and amax histories of ``nn.Fp8DirectDotGeneralOp``) is returned
+  as the backward pass made it: it is not multiplied by the loss scale, so it
+  is not unscaled, and it takes no part in ``finite``. With ``axis_name`` it
+  is combined with ``lax.pmax`` (the largest amax wins).
+
+  Returns:
+    A function with ``fun``'s signature returning a
+    :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> from jax_lossscale.flax import value_and_grad
+    >>> ds = jls.DynamicScaleState.create(init_scale=1024.0)
+    >>> loss_fn = lambda w: jnp.sum(w ** 2)
+    >>> out = value_and_grad(loss_fn, ds)(jnp.array([1.0, 2.0]))
+    >>> out.value, out.grads, out.finite
+    (Array(5., dtype=float32), Array([2., 4.], dtype=float32), Array(True, dtype=bool))
+  """
+  if not callable(fun):
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
+  dynamic_scale = get_scale_state(scale)
+
+  def scaled_fun(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+          f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
+        )
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    return scale_loss(loss, dynamic_scale), (loss, aux)
+
+  grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+  def wrapped(*args, **kwargs) -> ScaledValueAndGrad:
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    refuse_complex(grads)
+
+    def unscale(leaves):
+      leaves = across_axis(jax.lax.pmean, leaves, axis_name)
+      return unscale_and_check(leaves, dynamic_scale.scale)
+
+    # fp8 meta (new scales and amax histories) is not scaled by the loss scale:
+    # never unscaled, never checked; across devices the largest amax (and so
+    # the largest fp8 scale) wins, as one global computation would find.
+    meta = lambda leaves: across_axis(jax.lax.pmax, leaves, axis_name)
+    grads, finite = map_gradients(unscale, grads, meta)
+    return ScaledValueAndGrad(value=loss, aux=aux, grads=grads, finite=finite)
+
+  return wrapped
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+  """``optax.apply_updates`` with explicit casts (strict dtype promotion safe)."""
+
+  def apply(p, u):
+    if p is None or u is None or not is_float(p):
+      return p
+    p = jnp.asarray(p)
+    dt = max(compute_dtype(p.dtype), compute_dtype(jnp.result_type(u)), key=lambda d: d.itemsize)
+    return (p.astype(dt) + jnp.asarray(u).astype(dt)).astype(p.dtype)
+
+  return jax.tree_util.tree_map(apply, params, updates, is_leaf=lambda x: x is None)
+
+
+class TrainState(train_state.TrainState):
+  """Flax's ``TrainState`` with a ``dynamic_scale`` field and skipping updates.
+
+  Use a plain Optax optimizer as ``tx`` (the scaler lives in this state, not
+  in the optimizer), compute gradients with :meth:`value_and_grad` (or
+  :func:`value_and_grad`) and call :meth:`apply_gradients` with their
+  ``finite`` flag. A step with non-finite gradients is skipped with
+  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params`` and
+  ``opt_state`` stay bit-identical, and the scale backs off.
+
+  ``tx`` is initialised (and updated) with float16/bfloat16 params promoted
+  to float32, as :func:`jax_lossscale.dynamic_loss_scale` does, so its state
+  is float32; params keep their dtypes.
+
+  Attributes:
+    dynamic_scale: the :class:`DynamicScaleState`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> from jax_lossscale.flax import TrainState
+    >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+    ...                           tx=optax.sgd(0.5))
+    >>> @jax.jit
+    ... def train_step(state, x):
+    ...   loss_fn = lambda p: jnp.sum((p["w"] * x) ** 2)
+    ...   out = state.value_and_grad(loss_fn)(state.params)
+    ...   return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+    >>> state, loss = train_step(state, jnp.array([1.0, 1.0]))
+    >>> loss, state.params["w"], int(state.step)
+    (Array(2., dtype=float32), Array([0., 0.], dtype=float32), 1)
+    >>> state, _ = train_step(state, jnp.array([jnp.inf, 1.0]))  # overflow: skipped
+    >>> state.params["w"], int(state.step), float(state.dynamic_scale.scale)
+    (Array([0., 0.], dtype=float32), 1, 32768.0)
+  """
+
+  dynamic_scale: DynamicScaleState = struct.field(pytree_node=True)
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    apply_fn: Callable[..., Any],
+    params: optax.Params,
+    tx: optax.GradientTransformation,
+    dynamic_scale: DynamicScaleState | None = None,
+    **kwargs: Any,
+  ) -> TrainState:
+    """A new state with ``step=0`` (int32), ``opt_state`` and the scaler.
+
+    Args:
+      apply_fn: usually ``model.apply``.
+      params: the parameters.
+      tx: a plain Optax optimizer (not wrapped by ``dynamic_loss_scale``).
+      dynamic_scale: the scaler state; default
+        ``DynamicScaleState.create()`` (torch's defaults).
+      **kwargs: further fields of a subclass.
+
+    Raises:
+      TypeError: if ``dynamic_scale`` is not a :class:`DynamicScaleState`.
+      ValueError: if ``tx`` already carries a loss scaler.
+    """
+    if dynamic_scale is None:
+      dynamic_scale = DynamicScaleState.create()
+    if not isinstance(dynamic_scale, DynamicScaleState):
+      raise TypeError(
+        f"dynamic_scale must be a DynamicScaleState, got {type(dynamic_scale).__name__}."
+      )
+    params_with_opt, _ = split_variables(params)
+    opt_state = place_like_params(tx.init(promote_floats(params_with_opt)), params_with_opt)
+    if scale_states(opt_state):
+      raise ValueError(
+        "tx already holds a loss scaler (dynamic_loss_scale/static_loss_scale); "
+        "use it with flax.training.train_state.TrainState, or pass a plain "
+        "optimizer here, not both."
+      )
+    return cls(
+      step=place_like_params(jnp.zeros([], jnp.int32), params_with_opt),
+      apply_fn=apply_fn,
+      params=params,
+      tx=tx,
+      opt_state=opt_state,
+      dynamic_scale=place_like_params(dynamic_scale, params_with_opt),
+      **kwargs,
+    )
+
+  def value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    axis_name: AxisName | None = None,
+  ) -> Callable[..., ScaledValueAndGrad]:
+    """:func:`value_and_grad` with this state's ``dynamic_scale``."""
+    return value_and_grad(
+      fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
+    )
+
+  def apply_gradients(
+    self, *, grads: optax.Updates, finite: ArrayLike | None = None, **kwargs: Any
+  ) -> TrainState:
+    """Applies unscaled gradients unless they are non-finite; updates the scale.
+
+    Args:
+      grads: the *unscaled* gradients (``value_and_grad(...).grads``).
+      finite: bool scalar from :func:`value_and_grad`; if ``None`` it is
+        computed here with :func:`jax_lossscale.all_finite`.
+      **kwargs: other fields to replace (e.g. ``batch_stats``); they are
+        replaced whether or not the step is skipped.
+
+    Returns:
+      TrainState: the new state. On a finite step ``step + 1`` and updated ``params`` and
+      ``opt_state``; on a skipped step those three bit-identical. In both
+      cases ``dynamic_scale`` advanced by :func:`jax_lossscale.update_scale`.
+
+    Raises:
+      ValueError: if ``finite`` is not a boolean scalar.
+    """
+    if finite is None:
+      refuse_complex(grads)
+      finite = all_finite(gradient_leaves(grads))
+    finite = jnp.asarray(finite)
+    if finite.dtype != jnp.bool_ or finite.shape != ():
+      raise ValueError(
+        f"finite must be a boolean scalar, got dtype={finite.dtype}, shape={finite.shape}."
+      )
+    grads_with_opt, meta = split_variables(grads)
+    params_with_opt = split_variables(self.params)[0] if meta is not None else self.params
+    updates, new_opt_state = self.tx.update(
+      promote_floats(grads_with_opt), self.opt_state, promote_floats(params_with_opt)
+    )
+    new_params = join_variables(_apply_updates(params_with_opt, updates), meta)
+    new_params, opt_state = skip_step(
+      finite, new_params, self.params, new_opt_state, self.opt_state
+    )
+    return self.replace(
+      step=jnp.where(finite, optax.safe_int32_increment(self.step), self.step),
+      params=new_params,
+      opt_state=opt_state,
+      dynamic_scale=update_scale(self.dynamic_scale, finite),
+      **kwargs,
+    )

@@ -1,0 +1,15 @@
+"""The scaler's core: torch's ``GradScaler`` as an Optax gradient transformation.
+
+* :mod:`._state`: ``DynamicScaleConfig``, ``DynamicScaleState``, the one resolver of a
+  scale (``scale_of``) and of a scaler state (``get_scale_state``);
+* :mod:`._rule`: the scale update rule (``update_scale``);
+* :mod:`._product`, :mod:`._numerics`: the exact products and reciprocals, unscaling and
+  the finiteness check;
+* :mod:`._skip`: the one skip (``jnp.where``, copy-free on CPU);
+* :mod:`._transform`: ``dynamic_loss_scale``, ``static_loss_scale``, ``no_loss_scale``,
+  ``scale_loss``;
+* :mod:`._accumulation`: ``multi_steps``;
+* :mod:`._sharding`: one decision across devices and placement on the params' mesh;
+* :mod:`._guard`, :mod:`._metrics`, :mod:`._signals`: host-side guards, step metrics and
+  the trace-time warnings.
+"""
