@@ -1,8 +1,10 @@
-"""griffe extensions of the docs build: Sphinx roles as code, the config defaults as values.
+"""griffe extensions of the docs build: Sphinx roles as links, the config defaults as values.
 
-The docstrings are Google style and read well as plain text and in ``help()``; a few name
-other objects with a Sphinx role. mkdocstrings does not interpret roles, so they become inline
-code (``name``) instead of showing the role's markup.
+The docstrings are Google style and read well as plain text and in ``help()``; they name other
+objects with a Sphinx role. mkdocstrings does not interpret roles, so each becomes an autorefs
+cross-reference (``[`name`][jax_lossscale.name]``) when it names a public object the API
+reference documents, and inline code otherwise (a private module, a JAX function). An
+unresolved reference fails the strict build, so a rename that breaks a link is caught there.
 """
 
 from __future__ import annotations
@@ -12,15 +14,56 @@ from typing import Any
 
 import griffe
 
-_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):`~?([^`]+)`")
+_ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):`(~?)([^`]+)`")
+
+#: The public namespaces whose ``__all__`` the API reference documents.
+_NAMESPACES = ("", ".flax", ".diagnostics", ".torch", ".checkpoint")
+
+
+def _documented() -> dict[str, str]:
+  """Every documented identifier, and each short name that names exactly one of them."""
+  import importlib
+
+  full: set[str] = set()
+  for ns in _NAMESPACES:
+    module = importlib.import_module(f"jax_lossscale{ns}")
+    full.add(f"jax_lossscale{ns}")
+    for name in getattr(module, "__all__", ()):
+      obj = getattr(module, name)
+      ident = f"jax_lossscale{ns}.{name}"
+      full.add(ident)
+      for member in vars(obj) if isinstance(obj, type) else ():
+        if not member.startswith("_") and callable(getattr(obj, member, None)):
+          full.add(f"{ident}.{member}")
+  targets = {ident: ident for ident in full}
+  short: dict[str, list[str]] = {}
+  for ident in full:
+    for k in range(1, 3):
+      short.setdefault(".".join(ident.split(".")[-k:]), []).append(ident)
+  for name, idents in short.items():
+    if len(idents) == 1:
+      targets.setdefault(name, idents[0])
+  return targets
 
 
 class SphinxRolesAsCode(griffe.Extension):
-  """Rewrites ``:role:`target``` to ```target``` in every docstring griffe loads."""
+  """Rewrites ``:role:`target``` as a link to the documented object, else as ```target```."""
+
+  def __init__(self) -> None:
+    super().__init__()
+    self._targets: dict[str, str] | None = None
+
+  def _link(self, match: re.Match[str]) -> str:
+    if self._targets is None:
+      self._targets = _documented()
+    tilde, target = match.group(1), match.group(2)
+    shown = target.split(".")[-1] if tilde else target
+    ident = self._targets.get(target) or self._targets.get(target.removeprefix("jax_lossscale."))
+    return f"[`{shown}`][{ident}]" if ident else f"`{shown}`"
 
   def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
     if obj.docstring is not None:
-      obj.docstring.value = _ROLE.sub(r"`\1`", obj.docstring.value)
+      obj.docstring.value = _ROLE.sub(self._link, obj.docstring.value)
 
 
 class ConfigDefaultsAsValues(griffe.Extension):
