@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._autocast import _composite
+from jax_lossscale._autocast._arguments import rebuild
+from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._interpreter import AUTOCAST_MARK
 from jax_lossscale._autocast._interpreter import ELIGIBLE
 from jax_lossscale._autocast._interpreter import FLOAT32_MARK
@@ -24,10 +26,6 @@ from jax_lossscale._autocast._policy import check_policy
 from jax_lossscale._typing import DTypeLike
 
 __all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32", "interpret")
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _check_dtype(dtype: Any) -> np.dtype[Any]:
@@ -49,8 +47,7 @@ def _jit_arrays(
   under the static part when that part is hashable, so a second eager call neither
   retraces nor recompiles.
   """
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  dyn_idx = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+  leaves, treedef, dyn_idx = split(args, kwargs)
   template = [None if i in dyn_idx else x for i, x in enumerate(leaves)]
   try:
     key = (treedef, dyn_idx, tuple((type(x), x) for x in template))  # 1 is not True
@@ -61,10 +58,7 @@ def _jit_arrays(
   if jitted is None:
 
     def region(*dyn: Any) -> Any:
-      full = list(template)
-      for i, x in zip(dyn_idx, dyn, strict=True):
-        full[i] = x
-      a, k = jax.tree_util.tree_unflatten(treedef, full)
+      a, k = rebuild(treedef, template, dyn_idx, dyn)
       return fun(*a, **k)
 
     region.__name__ = name
@@ -182,15 +176,11 @@ def _interpret(
   ``follows(path)`` marks the input leaves (by their path in ``(args, kwargs)``) that take
   the dtype of the activations they meet, as constants do (check_underflow's taps).
   """
-  with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
-  leaves = [x for _, x in with_paths]
-  dyn_idx = [i for i, x in enumerate(leaves) if _is_array(x)]
+  leaves, treedef, dyn_idx = split(args, kwargs)
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
 
   def flat_fun(*dyn: Any) -> Any:
-    full = list(leaves)
-    for i, x in zip(dyn_idx, dyn, strict=True):
-      full[i] = x
-    a, k = jax.tree_util.tree_unflatten(treedef, full)
+    a, k = rebuild(treedef, leaves, dyn_idx, dyn)
     return fun(*a, **k)
 
   dyn = [leaves[i] for i in dyn_idx]
@@ -198,7 +188,7 @@ def _interpret(
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
 
   def facts(i: int) -> Facts:
-    if follows is not None and follows(with_paths[i][0]):
+    if follows is not None and follows(paths[i]):
       return Facts(follows=True)
     return Facts(input_rank=np.ndim(leaves[i]))
 

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale._autocast._arguments import rebuild
+from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._errors import AutocastError
 from jax_lossscale._autocast._interpreter import OP_MARK
 from jax_lossscale._autocast._interpreter import Facts
@@ -58,10 +60,6 @@ def tracing_dtype() -> np.dtype | None:
   """The dtype of the autocast whose function is being traced, or ``None``."""
   value = _TRACING.value
   return None if value is None else np.dtype(value)
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 class _Entry(NamedTuple):
@@ -97,14 +95,6 @@ def _register(entry: _Entry, key: Any) -> str:
     return token
 
 
-def _rebuild(entry: _Entry, dyn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-  full = list(entry.template)
-  for i, x in zip(entry.dyn_idx, dyn, strict=True):
-    full[i] = x
-  args, kwargs = jax.tree_util.tree_unflatten(entry.treedef, full)
-  return args, kwargs
-
-
 def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
   floats = [np.dtype(x.dtype) for x in dyn if is_eligible(x.dtype)]
   if not floats:
@@ -128,7 +118,9 @@ def _restore_primary(entry: _Entry, outs: list[Any], primary: Any) -> list[Any]:
 def _call(entry: _Entry, dyn: list[Any], lower: Any) -> tuple[list[Any], Any]:
   """The op on ``dyn`` cast by its rule: its flat outputs and their treedef."""
   primary = dyn[entry.primary] if entry.primary is not None else None
-  args, kwargs = _rebuild(entry, _cast_inputs(entry.rule, dyn, lower))
+  args, kwargs = rebuild(
+    entry.treedef, entry.template, entry.dyn_idx, _cast_inputs(entry.rule, dyn, lower)
+  )
   with _TRACING(None):  # autocast is off inside the op: a nested op runs as itself
     out = entry.fn(*args, **kwargs)
   leaves, tree = jax.tree_util.tree_flatten(out)
@@ -173,8 +165,7 @@ def _marker_call(
 ) -> Any:
   """``fn(*args, **kwargs)`` as a composite op's marker, while autocast traces."""
   lower = tracing_dtype()
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  dyn_idx = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+  leaves, treedef, dyn_idx = split(args, kwargs)
   template = tuple(None if i in dyn_idx else x for i, x in enumerate(leaves))
   primary_pos = None
   if primary is not None:

@@ -683,13 +683,11 @@ def _check_no_stale_tracers(eqn: Any, consts: Sequence[Any], kind: str, rule: st
     )
 
 
-def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
-  # Rebuilt through the public constructor: the jvp rule is a thunk JAX traces lazily.
-  params = eqn.params
-  closed = params["call_jaxpr"]
-  num_consts = params["num_consts"]
-  jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
-  consts, args = ins[:num_consts], ins[num_consts:]
+def _primal(
+  interp: Interpreter, closed: Any, consts: Sequence[Val], args: Sequence[Val]
+) -> tuple[Callable[..., tuple[Any, ...]], list[list[Facts]]]:
+  """A custom rule's primal over arrays, evaluated by ``interp``; its outputs' facts are
+  appended to the list returned with it (the arguments keep their own facts)."""
   arg_facts = [v.facts for v in args]
   captured: list[list[Facts]] = []
 
@@ -700,6 +698,17 @@ def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
     captured.append([o.facts for o in outs])
     return tuple(o.x for o in outs)
 
+  return primal, captured
+
+
+def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
+  # Rebuilt through the public constructor: the jvp rule is a thunk JAX traces lazily.
+  params = eqn.params
+  closed = params["call_jaxpr"]
+  num_consts = params["num_consts"]
+  jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
+  consts, args = ins[:num_consts], ins[num_consts:]
+  primal, captured = _primal(interp, closed, consts, args)
   fn = jax.custom_jvp(primal)
 
   def jvp(primals: Any, tangents: Any) -> Any:
@@ -734,16 +743,7 @@ def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
   consts, args = ins[:num_consts], ins[num_consts:]
   declared_in = closed.in_avals[num_consts:]
   declared_out = closed.out_avals
-  arg_facts = [v.facts for v in args]
-  captured: list[list[Facts]] = []
-
-  def primal(*xs: Any) -> tuple[Any, ...]:
-    outs = interp.eval_closed(
-      closed, [*consts, *(Val(x, f) for x, f in zip(xs, arg_facts, strict=True))]
-    )
-    captured.append([o.facts for o in outs])
-    return tuple(o.x for o in outs)
-
+  primal, captured = _primal(interp, closed, consts, args)
   fn = jax.custom_vjp(primal)
   arg_dtypes = [np.dtype(v.x.dtype) for v in args]
   static: dict[str, Any] = {}

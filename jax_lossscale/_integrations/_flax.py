@@ -1,18 +1,4 @@
-"""Flax integration: a ``TrainState`` carrying the scaler, and a scaled ``value_and_grad``.
-
-Two ways to use loss scaling with Flax:
-
-* **Scaler inside the optimizer** (linen and NNX): build the optimizer with
-  :func:`jax_lossscale.dynamic_loss_scale` and use Flax's stock
-  ``TrainState`` or ``nnx.Optimizer`` unchanged; multiply the loss with
-  ``jax_lossscale.scale_loss(loss, state)`` and hand the (scaled) gradients to
-  ``apply_gradients`` / ``update``. Nothing from this module is needed.
-* **Scaler as a TrainState field** (this module, the pattern of Flax's
-  ``DynamicScale``): :class:`TrainState` has a ``dynamic_scale`` field, any
-  plain Optax optimizer, and :func:`value_and_grad` returns unscaled
-  gradients plus a finiteness flag that :meth:`TrainState.apply_gradients`
-  uses to skip the step.
-"""
+"""The implementation of :mod:`jax_lossscale.flax` (whose docstring says how to use it)."""
 
 from __future__ import annotations
 
