@@ -177,17 +177,16 @@ def autocast_lines(results: list[dict[str, Any]]) -> list[str]:
     temp = (
       f"{a['temp_bytes'] / h['temp_bytes']:.3f}" if "temp_bytes" in a and "temp_bytes" in h else "-"
     )
-    trace = (
-      f"{a['lower_s'] / h['lower_s']:.2f} (+{a['lower_s'] - h['lower_s']:.2f} s) | "
-      f"{a['compile_s'] / h['compile_s']:.2f} |"
-    )
+    extra = a["lower_s"] - h["lower_s"]
+    trace = f"{a['lower_s'] / h['lower_s']:.2f} ({extra:+.2f} s) | {a['compile_s'] / h['compile_s']:.2f} |"
     if cpu:
       wall = "{:.3f} [{:.3f}..{:.3f}]".format(*_paired(a["step_ms_all"], h["step_ms_all"]))
       proc = "{:.3f} [{:.3f}..{:.3f}]".format(*_paired(a["cpu_ms_all"], h["cpu_ms_all"]))
       mib = f"{a['temp_bytes'] / MIB:.2f} / {h['temp_bytes'] / MIB:.2f}" if temp != "-" else "-"
       rows.append(f"| {r['label']} | {wall} | {proc} | {mib} ({temp}) | {trace}")
-    else:
+    else:  # as rendered before the CPU times were recorded
       step = _paired(a["step_ms_all"], h["step_ms_all"])[0]
+      trace = trace.replace(f"({extra:+.2f} s)", f"(+{extra:.2f} s)")
       rows.append(f"| {r['label']} | {step:.3f} | {temp} | {trace}")
   intro = (
     "`jls.autocast` of the float32 model against the same `dynamic_loss_scale` step on the "
