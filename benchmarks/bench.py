@@ -110,11 +110,15 @@ def compile_variant(name: str, model: bench_models.Model, params, x, y):
   return variant, compiled, state, t1 - t0, t2 - t1, c2 - c1
 
 
-def run_steps(compiled, state, x, y, k: int):
-  t0 = time.perf_counter()
+def run_steps(compiled, state, x, y, k: int, cpu: list | None = None):
+  """``k`` steps: (state, wall seconds); the process's CPU seconds (all threads) are
+  appended to ``cpu`` if given: on a shared machine they count this process's work only."""
+  t0, c0 = time.perf_counter(), time.process_time()
   for _ in range(k):
     state, loss = compiled(state, x, y)
   jax.block_until_ready((state, loss))
+  if cpu is not None:
+    cpu.append(time.process_time() - c0)
   return state, time.perf_counter() - t0
 
 
@@ -165,13 +169,15 @@ def bench_model(name: str, args) -> dict[str, Any]:
   k = args.steps or max(1, round(args.round_seconds / (dt / 3)))
 
   times = {v: [] for v in names}
+  cpu_times = {v: [] for v in names}
   order = list(names)
   rng = random.Random(args.seed)
   for _ in range(args.rounds):
     rng.shuffle(order)
     for v in order:
-      states[v], dt = run_steps(compiled[v], states[v], x, y, k)
+      states[v], dt = run_steps(compiled[v], states[v], x, y, k, cpu_times[v])
       times[v].append(dt / k)
+      cpu_times[v][-1] /= k
 
   out = {
     "model": name,
@@ -192,6 +198,7 @@ def bench_model(name: str, args) -> dict[str, Any]:
     s = out["variants"][v] = {
       "step_ms_median": 1e3 * statistics.median(times[v]),
       "step_ms_all": [1e3 * t for t in times[v]],
+      "cpu_ms_all": [1e3 * t for t in cpu_times[v]],
       "ratio_median": statistics.median(ratios),
       "ratio_min": min(ratios),
       "ratio_max": max(ratios),

@@ -96,7 +96,13 @@ def _layernorm(h, scale, bias, dtype):
 
 
 def _attention(q, k, v, implementation):
-  """Causal attention of ``(batch, seq, heads, head_dim)`` arrays, softmax in float32."""
+  """Causal attention of ``(batch, seq, heads, head_dim)`` arrays, softmax in float32.
+
+  ``"xla"``: written out (einsum, mask, float32 softmax); anything else, ``None``
+  included, is ``jax.nn.dot_product_attention(..., implementation=implementation)``: with
+  ``None`` JAX picks the kernel, and under ``jls.autocast`` the registered op picks cuDNN's
+  fused kernel on a GPU for half inputs.
+  """
   if implementation == "xla":
     t, dh = q.shape[1], q.shape[-1]
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
@@ -108,7 +114,7 @@ def _attention(q, k, v, implementation):
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-def loss_fn(params, x, y, cfg: GPTConfig, dtype=jnp.float16, attention: str = "xla"):
+def loss_fn(params, x, y, cfg: GPTConfig, dtype=jnp.float16, attention: str | None = "xla"):
   """Mean next-token cross-entropy (float32) with the matmuls in ``dtype``."""
   b, t = x.shape
   d, nh = cfg.d_model, cfg.heads

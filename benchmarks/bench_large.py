@@ -18,7 +18,8 @@ d_model 768, 12 heads, sequence 1024, vocab 50304, ~124M params, layers under
   eager and with ``torch.compile(model)``.
 
 * ``autocast_dynamic_loss_scale`` / ``autocast_bfloat16``: the same two steps on
-  ``jls.autocast`` of the float32 model (XLA attention; see :func:`autocast_variants`).
+  ``jls.autocast`` of the float32 model, whose attention is ``jax.nn.dot_product_attention``
+  (cuDNN on a GPU under autocast, as the hand-cast variants'; see :func:`autocast_variants`).
 
 Every variant is compiled (and warmed up) first, its compile time printed;
 then in ``--rounds`` rounds, in a shuffled order, each runs ``--steps``
@@ -202,18 +203,24 @@ def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[
   }
 
 
-def autocast_variants(cfg: GPTConfig) -> dict[str, tuple[str, Callable[[], Any]]]:
+def autocast_variants(
+  cfg: GPTConfig, attention: str | None = None
+) -> dict[str, tuple[str, Callable[[], Any]]]:
   """The ``jls.autocast`` variants, beside the hand-cast ones: the same step and optimizer.
 
   The model is ``bench_gpt.loss_fn`` with ``dtype=float32`` (the float32 model: every cast
   of the hand-cast model a no-op), run under ``jls.autocast(..., float16 or bfloat16)``.
-  Its attention is the XLA einsum one (cuDNN attention takes half-precision inputs only, and
-  the float32 model is traced in float32), so compare it with the hand-cast variants run with
-  ``--attention xla``. Empty where the installed package has no ``autocast``.
+  Its attention (``attention=None``) is ``jax.nn.dot_product_attention(...,
+  implementation=None)``, which autocast runs as one lower-precision op (torch's
+  ``scaled_dot_product_attention``): on a GPU it takes cuDNN's fused kernel for the half
+  inputs, the kernel of the hand-cast variants' default ``--attention cudnn``; on a CPU
+  the XLA implementation in float32, returned in the half dtype. ``attention="xla"``
+  (``--attention xla``, or cuDNN failing): the einsum attention, as the hand-cast
+  variants'. Empty where the installed package has no ``autocast``.
   """
   if not hasattr(jls, "autocast"):
     return {}
-  float32_model = lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32, "xla")
+  float32_model = lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32, attention)
 
   def make_for(dtype, wrap):
     return _scaled_variant(wrap, lambda: jls.autocast(float32_model, dtype))
@@ -377,6 +384,9 @@ def parse_args(argv=None):
     args.cfg = args.cfg._replace(batch=args.batch)
   args.rounds = args.rounds or (3 if args.tiny else 7)
   args.steps = args.steps or (2 if args.tiny else 5)
+  # The float32 model under autocast calls jax.nn.dot_product_attention (cuDNN on a GPU)
+  # unless --attention xla asks for the einsum attention everywhere.
+  args.autocast_attention = "xla" if args.attention == "xla" else None
   args.attention = args.attention or ("cudnn" if gpu else "xla")
   return args
 
@@ -387,7 +397,7 @@ def run_all(args) -> dict[str, Any]:
   log(f"{info['device']}; {cfg}; {bench_gpt.n_params(cfg) / 1e6:.1f}M params")
   params = bench_gpt.init_params(cfg, args.seed)
   x, y = bench_gpt.make_batch(cfg, args.seed + 1)
-  specs = {**_jax_steps(cfg, args.attention), **autocast_variants(cfg)}
+  specs = {**_jax_steps(cfg, args.attention), **autocast_variants(cfg, args.autocast_attention)}
   if not hasattr(jls, "autocast"):
     log("jls.autocast is not in this build: its variants are left out")
   torch_ok = True
@@ -415,10 +425,12 @@ def run_all(args) -> dict[str, Any]:
         try:
           built[name] = build_jax(specs[name][1], params, x, y, args.warmup)
         except Exception as e:  # e.g. no cuDNN attention for this shape: plain XLA attention
-          if args.attention == "xla":
+          if args.attention == "xla" and (
+            name not in autocast_variants(cfg) or args.autocast_attention == "xla"
+          ):
             raise
           log(f"{name}: {args.attention} attention failed ({type(e).__name__}); using xla")
-          fallback = {**_jax_steps(cfg, "xla"), **autocast_variants(cfg)}
+          fallback = {**_jax_steps(cfg, "xla"), **autocast_variants(cfg, "xla")}
           built[name] = build_jax(fallback[name][1], params, x, y, args.warmup)
           skipped[f"{name}:attention"] = "xla attention (cudnn failed)"
       elif name in ("torch_eager", "torch_compile"):
@@ -482,6 +494,7 @@ def run_all(args) -> dict[str, Any]:
       "weight_decay": WEIGHT_DECAY,
       "init_scale": INIT_SCALE,
       "attention": args.attention,
+      "autocast_attention": args.autocast_attention or "jax.nn.dot_product_attention",
       "rounds": len(times[REFERENCE]),
       "steps_per_round": args.steps,
       "warmup": args.warmup,

@@ -151,35 +151,68 @@ def summary_lines(results: list[dict[str, Any]]) -> list[str]:
   return lines + [""]
 
 
+def _paired(a: list[float], h: list[float]) -> tuple[float, float, float]:
+  """Median, min and max over rounds of the paired ratio ``a / h``."""
+  ratios = [x / y for x, y in zip(a, h)]
+  return statistics.median(ratios), min(ratios), max(ratios)
+
+
 def autocast_lines(results: list[dict[str, Any]]) -> list[str]:
   """``jls.autocast`` of the float32 model against the same step on the model cast by hand.
 
   Empty (nothing rendered) unless some result has both ``jls_autocast`` and ``jax_lossscale``.
+  Where every such result has the CPU seconds of each round (``cpu_ms_all``), the table
+  gives the paired ratio of both (wall and process CPU time) with its min..max.
   """
+  pairs = [
+    (r, r["variants"]["jls_autocast"], r["variants"]["jax_lossscale"])
+    for r in results
+    if {"jls_autocast", "jax_lossscale"} <= set(r["variants"])
+  ]
+  if not pairs:
+    return []
+  cpu = all("cpu_ms_all" in a and "cpu_ms_all" in h for _, a, h in pairs)
   rows = []
-  for r in results:
-    v = r["variants"]
-    if not {"jls_autocast", "jax_lossscale"} <= set(v):
-      continue
-    a, h = v["jls_autocast"], v["jax_lossscale"]
-    step = statistics.median(x / y for x, y in zip(a["step_ms_all"], h["step_ms_all"]))
+  for r, a, h in pairs:
     temp = (
       f"{a['temp_bytes'] / h['temp_bytes']:.3f}" if "temp_bytes" in a and "temp_bytes" in h else "-"
     )
-    rows.append(
-      f"| {r['label']} | {step:.3f} | {temp} | {a['lower_s'] / h['lower_s']:.2f} "
-      f"(+{a['lower_s'] - h['lower_s']:.2f} s) | {a['compile_s'] / h['compile_s']:.2f} |"
-    )
-  if not rows:
-    return []
-  return [
+    extra = a["lower_s"] - h["lower_s"]
+    trace = f"{a['lower_s'] / h['lower_s']:.2f} ({extra:+.2f} s) | {a['compile_s'] / h['compile_s']:.2f} |"
+    if cpu:
+      wall = "{:.3f} [{:.3f}..{:.3f}]".format(*_paired(a["step_ms_all"], h["step_ms_all"]))
+      proc = "{:.3f} [{:.3f}..{:.3f}]".format(*_paired(a["cpu_ms_all"], h["cpu_ms_all"]))
+      mib = f"{a['temp_bytes'] / MIB:.2f} / {h['temp_bytes'] / MIB:.2f}" if temp != "-" else "-"
+      rows.append(f"| {r['label']} | {wall} | {proc} | {mib} ({temp}) | {trace}")
+    else:  # as rendered before the CPU times were recorded
+      step = _paired(a["step_ms_all"], h["step_ms_all"])[0]
+      trace = trace.replace(f"({extra:+.2f} s)", f"(+{extra:.2f} s)")
+      rows.append(f"| {r['label']} | {step:.3f} | {temp} | {trace}")
+  intro = (
     "`jls.autocast` of the float32 model against the same `dynamic_loss_scale` step on the "
     "model cast by hand (`jls_autocast` / `jax_lossscale`): step time (median over rounds of "
-    "the paired ratio), temporary memory, trace+lower time (autocast traces the model twice: "
-    "once to a jaxpr, once through the policy) and XLA compile time.",
+    "the paired ratio"
+  )
+  if not cpu:
+    return [
+      intro + "), temporary memory, trace+lower time (autocast traces the model twice: "
+      "once to a jaxpr, once through the policy) and XLA compile time.",
+      "",
+      "| model | step ratio | temp memory ratio | trace+lower ratio (extra) | compile ratio |",
+      "|---|---|---|---|---|",
+      *rows,
+      "",
+    ]
+  return [
+    intro + ", min..max in brackets; wall time, and the process's CPU time, which counts "
+    "this process's work only and so is less sensitive to other processes on a shared "
+    "machine), temporary memory (MiB autocast / hand-cast, ratio), trace+lower time "
+    "(autocast traces the model twice: once to a jaxpr, once through the policy) and XLA "
+    "compile time.",
     "",
-    "| model | step ratio | temp memory ratio | trace+lower ratio (extra) | compile ratio |",
-    "|---|---|---|---|---|",
+    "| model | step ratio (wall) | step ratio (CPU time) | temp MiB (ratio) | "
+    "trace+lower ratio (extra) | compile ratio |",
+    "|---|---|---|---|---|---|",
     *rows,
     "",
   ]
@@ -288,7 +321,9 @@ def large_markdown(payload: dict[str, Any]) -> str:
     f"sequence {m['seq']}, vocab {m['vocab']}, {st['params'] / 1e6:.1f}M params (float32), "
     f"batch {m['batch']} ({st['tokens_per_step']} tokens a step), AdamW (lr "
     f"{st['learning_rate']:g}, weight decay {st['weight_decay']:g}); JAX attention "
-    f"`{st['attention']}`, torch `scaled_dot_product_attention`. Median over "
+    f"`{st['attention']}`"
+    + (f" (autocast: `{st['autocast_attention']}`)" if st.get("autocast_attention") else "")
+    + f", torch `scaled_dot_product_attention`. Median over "
     f"{st['rounds']} rounds of {st['steps_per_round']} steps (shuffled order); the ratio is "
     f"the median per-round step time over `{st['reference']}`'s (no loss scaling), min..max "
     "in brackets. Memory: JAX, the compiled step's arguments + outputs - donated + "

@@ -46,6 +46,9 @@ TINY = {
     plain_loss_fn=bench_models.lm_plain_loss_fn,
   ),
   "gpt": bench_models.gpt("tiny-gpt", "tiny GPT (AdamW)", bench_gpt.TINY_GPT),
+  "rope": bench_models.rope_gpt(
+    "tiny-rope", "tiny rotary GPT", vocab=128, seq=16, d_model=32, heads=2, layers=1, batch=2
+  ),
 }
 _BASELINE = {}
 
@@ -189,3 +192,77 @@ def test_large_benchmark_runs_tiny_and_renders(tmp_path):
   for r in results.values():
     assert r["tokens_per_s"] > 0 and abs(r["final_loss"] - np.log(128)) < 0.5
   assert (tmp_path / "t.md").read_text() == bench_report.markdown(payload)
+
+
+def test_rope_gpt_hand_cast_is_the_autocast_computation():
+  """The rotary GPT: its hand-cast model (torch's casts) and autocast of its float32 model
+  compute the same loss and gradients up to float16 rounding; the mask is -inf."""
+  import jax
+  import jax.numpy as jnp
+
+  import jax_lossscale as jls
+
+  model = TINY["rope"]
+  params = model.init_params(0)
+  x, y = model.make_batch(1)
+  assert "rope-gpt" in bench.QUICK_MODELS
+  assert "-inf" in jax.make_jaxpr(model.plain_loss_fn)(params, x, y).pretty_print()
+  auto = jls.autocast(model.plain_loss_fn, jnp.float16)
+  hand_loss, hand_grads = jax.jit(jax.value_and_grad(model.loss_fn))(params, x, y)
+  auto_loss, auto_grads = jax.jit(jax.value_and_grad(auto))(params, x, y)
+  plain_loss = jax.jit(model.plain_loss_fn)(params, x, y)
+  assert hand_loss.dtype == auto_loss.dtype == np.float32
+  assert float(hand_loss) == pytest.approx(float(auto_loss), rel=1e-3)
+  assert float(plain_loss) == pytest.approx(float(auto_loss), rel=1e-3)
+  for h, a in zip(jax.tree_util.tree_leaves(hand_grads), jax.tree_util.tree_leaves(auto_grads)):
+    np.testing.assert_allclose(h, a, atol=2e-2 * float(np.max(np.abs(h))) + 1e-6)
+
+
+def test_large_autocast_attention_is_dot_product_attention(monkeypatch):
+  """bench_large's float32 model calls jax.nn.dot_product_attention (implementation None):
+  under autocast on a GPU backend it asks for cuDNN with float16 inputs; on CPU the XLA
+  implementation runs on float32 inputs."""
+  import jax
+  import jax.numpy as jnp
+
+  import jax_lossscale as jls
+
+  spec = importlib.util.spec_from_file_location("bench_large", os.path.join(_DIR, "bench_large.py"))
+  large = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(large)
+  assert large.parse_args(["--tiny"]).autocast_attention is None
+  assert large.parse_args(["--tiny", "--attention", "xla"]).autocast_attention == "xla"
+  cfg = bench_gpt.TINY_GPT
+  params = bench_gpt.init_params(cfg)
+  x, y = bench_gpt.make_batch(cfg)
+  calls = []
+  original = jax.nn.dot_product_attention
+
+  def spy(q, k, v, *args, implementation=None, **kwargs):
+    calls.append((np.dtype(q.dtype).name, implementation))
+    if implementation == "cudnn":
+      raise RuntimeError("no cuDNN off-GPU")  # the registered op falls back to XLA
+    return original(q, k, v, *args, implementation=implementation, **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+  f32 = lambda p: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32, None)
+  with standard_promotion():
+    jax.make_jaxpr(jls.autocast(f32, jnp.float16))(params)
+    assert calls and set(calls) == {("float32", None)}
+    calls.clear()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    jax.make_jaxpr(jls.autocast(f32, jnp.float16))(params)
+  assert ("float16", "cudnn") in calls
+
+
+def test_hlo_census_counts_converts_by_dtype():
+  """bench_hlo's census: converts by (from, to) and the ops by (opcode, dtype)."""
+  import bench_hlo
+  import jax
+  import jax.numpy as jnp
+
+  f = lambda a, w: jnp.tanh(a @ w.astype(jnp.float16)).astype(jnp.float32).sum()
+  a, w = jnp.ones((8, 8), jnp.float16), jnp.ones((8, 8), jnp.float32)
+  c = bench_hlo.census(jax.jit(f).lower(a, w).compile().as_text())
+  assert c["converts"][("f32", "f16")] >= 1 and c["converts"][("f16", "f32")] >= 1
+  assert sum(n for (op, _), n in c["ops"].items() if op == "convert") == sum(c["converts"].values())
