@@ -9,7 +9,8 @@ autocast the function runs unchanged.
 
 The registrations torch implies are shipped: ``jax.nn.dot_product_attention`` runs in the
 lower dtype (torch's ``scaled_dot_product_attention``), picking cuDNN's fused kernel on
-a GPU; the LSTM, GRU and simple RNN cells of Flax linen, NNX and Equinox run in the lower
+a GPU; ``jax.nn.gelu`` (and Flax's) runs in its input's dtype, as torch's fused ``gelu``
+(its ``x ** 3`` would otherwise be torch's float32 ``pow``); the LSTM, GRU and simple RNN cells of Flax linen, NNX and Equinox run in the lower
 dtype (torch's ``lstm_cell``, ``gru_cell``, ``rnn_tanh_cell``); their batch norms compute
 in float32 and return the input's dtype (cuDNN's ``batch_norm``). They are installed
 only while autocast traces, on the modules already imported.
@@ -46,6 +47,7 @@ from jax_lossscale._autocast._policy import COMPOSITE_RULES
 from jax_lossscale._autocast._policy import FLOAT32
 from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
 from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import PROMOTE
 from jax_lossscale._autocast._policy import nearest
 
 __all__ = ("autocast_op", "evaluate", "registrations", "tracing", "tracing_dtype")
@@ -401,6 +403,9 @@ def _linen(rule: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 #: modules already imported; each is restored afterwards.
 _REGISTRATIONS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
   ("jax.nn", "dot_product_attention", _attention),
+  ("jax.nn", "gelu", _method(PROMOTE)),
+  ("flax.linen", "gelu", _method(PROMOTE)),
+  ("flax.nnx", "gelu", _method(PROMOTE)),
   ("equinox.nn", "LSTMCell.__call__", _method(LOWER)),
   ("equinox.nn", "GRUCell.__call__", _method(LOWER)),
   ("equinox.nn", "BatchNorm.__call__", _method(FLOAT32_COMPUTE, primary=1)),

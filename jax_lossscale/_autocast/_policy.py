@@ -97,8 +97,8 @@ POLICY_TABLE: tuple[PolicyRow, ...] = (
     FLOAT32,
     "fp32: pow (Tensor_Scalar), reciprocal",
     "x ** 2, x ** 3 and jnp.reciprocal (integer_pow y=-1). jax.nn.gelu(approximate=True)"
-    " is written with x ** 3, so its output is float32 where torch's fused gelu kernel"
-    " returns float16.",
+    " is written with x ** 3, but it is registered as one op that runs in its input's"
+    " dtype, as torch's fused gelu kernel.",
   ),
   PolicyRow(
     "square",
