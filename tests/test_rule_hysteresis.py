@@ -158,7 +158,9 @@ def test_hysteresis_with_min_scale_floor():
   assert float(s.scale) == 2.0 and int(s.hysteresis_tracker) == 0
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
-def test_invalid_hysteresis_is_rejected(bad):
-  with pytest.raises(ValueError, match="hysteresis"):
+@pytest.mark.parametrize(
+  ("bad", "error"), [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)]
+)
+def test_invalid_hysteresis_is_rejected(bad, error):
+  with pytest.raises(error, match="hysteresis"):
     jls.dynamic_loss_scale(optax.sgd(1.0), hysteresis=bad)
