@@ -306,7 +306,9 @@ def test_approximate_gelu_is_one_op_in_its_inputs_dtype_as_torchs_fused_gelu():
   layers = autocast(functools.partial(transformer_layers, approximate_gelu=True))(p, *_tokens())
   assert layers["gelu"].dtype == F16
   assert layers["fc2_linear"].dtype == F16
-  written_out = lambda x, w: (lambda h: 0.5 * h * (1 + jnp.tanh(0.79788456 * (h + 0.044715 * h**3))))(x @ w)
+  written_out = lambda x, w: (
+    lambda h: 0.5 * h * (1 + jnp.tanh(0.79788456 * (h + 0.044715 * h**3)))
+  )(x @ w)
   assert autocast(written_out)(_rand(0, (2, 3)), _rand(1, (3, 4))).dtype == F32
 
 
