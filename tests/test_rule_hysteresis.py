@@ -158,7 +158,13 @@ def test_hysteresis_with_min_scale_floor():
   assert float(s.scale) == 2.0 and int(s.hysteresis_tracker) == 0
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+@pytest.mark.parametrize("bad", [0, -1])
 def test_invalid_hysteresis_is_rejected(bad):
   with pytest.raises(ValueError, match="hysteresis"):
+    jls.dynamic_loss_scale(optax.sgd(1.0), hysteresis=bad)
+
+
+@pytest.mark.parametrize("bad", [2.0, True])
+def test_non_integer_hysteresis_is_a_type_error(bad):
+  with pytest.raises(TypeError, match="hysteresis"):
     jls.dynamic_loss_scale(optax.sgd(1.0), hysteresis=bad)
