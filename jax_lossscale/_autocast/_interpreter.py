@@ -42,6 +42,11 @@ from jax_lossscale._autocast._policy import PROMOTE
 
 __all__ = ("NO_FACTS", "Facts", "Interpreter", "Taps", "Val", "cast", "is_eligible")
 
+# jax.extend.core exports these from jax 0.10 (jaxprs_in_params) and 0.9 (mapped_aval)
+# on; older versions have the same functions in jax._src.core only.
+_jaxprs_in_params: Any = getattr(jex, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
+_mapped_aval: Any = getattr(jex, "mapped_aval", None) or jax._src.core.mapped_aval
+
 #: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
 ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
@@ -292,7 +297,7 @@ class Interpreter:
         self._untapped -= untapped
     if k in (prims.AS_WRITTEN, prims.KERNEL):
       return self.as_written(eqn, ins)
-    if k is None and jex.jaxprs_in_params(eqn.params):
+    if k is None and _jaxprs_in_params(eqn.params):
       raise unsupported(prim.name, eqn)
     if k == prims.INDEPENDENT:
       return [Val(o) for o in _bind(eqn, [v.x for v in ins])]
@@ -524,7 +529,7 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   carry_avals = closed.in_avals[nc : nc + ncarry]
   init_x = cast_to_declared([v.x for v in init], carry_avals)
   length = params["length"]
-  x_avals = [jex.mapped_aval(length, 0, _aval(v.x)) for v in xs]
+  x_avals = [_mapped_aval(length, 0, _aval(v.x)) for v in xs]
   x_facts = [
     v.facts._replace(input_rank=None if v.facts.input_rank is None else v.facts.input_rank - 1)
     for v in xs
