@@ -42,10 +42,8 @@ from jax_lossscale._autocast._policy import PROMOTE
 
 __all__ = ("NO_FACTS", "Facts", "Interpreter", "Taps", "Val", "cast", "is_eligible")
 
-# jax.extend.core exports these from jax 0.10 (jaxprs_in_params) and 0.9 (mapped_aval)
-# on; older versions have the same functions in jax._src.core only.
+# jax.extend.core exports it from jax 0.10 on; jax 0.9 has it in jax._src.core only.
 _jaxprs_in_params: Any = getattr(jex, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
-_mapped_aval: Any = getattr(jex, "mapped_aval", None) or jax._src.core.mapped_aval
 
 #: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
 ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -529,7 +527,7 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   carry_avals = closed.in_avals[nc : nc + ncarry]
   init_x = cast_to_declared([v.x for v in init], carry_avals)
   length = params["length"]
-  x_avals = [_mapped_aval(length, 0, _aval(v.x)) for v in xs]
+  x_avals = [jex.mapped_aval(length, 0, _aval(v.x)) for v in xs]
   x_facts = [
     v.facts._replace(input_rank=None if v.facts.input_rank is None else v.facts.input_rank - 1)
     for v in xs
