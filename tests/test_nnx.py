@@ -26,9 +26,8 @@ def _update(optimizer, model, grads):
   return optimizer.update(grads)
 
 
-#: ``nnx.as_pure`` (Flax >= 0.12.7), ``nnx.pure`` before it (Flax 0.10.5 to 0.12.6); older
-#: states flatten to their values as they are.
-_as_pure = getattr(nnx, "as_pure", None) or getattr(nnx, "pure", None) or (lambda state: state)
+#: ``nnx.as_pure`` (Flax >= 0.12.7), ``nnx.pure`` before it: the values out of a state.
+_as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
 
 class Model(nnx.Module):
