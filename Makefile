@@ -47,7 +47,7 @@ COMPAT_SET    := tests/compat/$(COMPAT).txt
 COMPAT_VENV   := .venv-compat-$(COMPAT)
 COMPAT_PY     := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP  := $(COMPAT_VENV)/.installed
-COMPAT_TOOLS  := "chex>=0.1.86" "equinox>=0.11" "pytest>=8" "hypothesis>=6.100"
+COMPAT_TOOLS  := "chex>=0.1.87" "equinox>=0.13.1" "pytest>=8" "hypothesis>=6.100"
 COMPAT_CORE   := $(shell sed -e 's/\#.*//' tests/compat/core.txt)
 
 $(COMPAT_STAMP): pyproject.toml $(COMPAT_SET)
