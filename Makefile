@@ -5,10 +5,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast demo bench bench-quick gpu-check gpu-bench mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-fast test-compat demo bench bench-quick gpu-check gpu-bench mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
+	@echo "make test-compat - COMPAT=oldest|newest: the core tests (tests/compat/core.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU), writes $(OUT)/"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
@@ -34,6 +35,33 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The versions pyproject.toml claims, tested: a venv per version set (tests/compat/oldest.txt
+# pins the lower bounds, tests/compat/newest.txt lets pip pick), the package and its flax
+# extra installed against those pins, then the core subset listed in tests/compat/core.txt.
+# No torch or other test extras there: CI=1 keeps flax, equinox, chex and hypothesis
+# required (a missing one fails, it does not skip), JAX_LOSSSCALE_CI_OPTIONAL exempts the
+# ones this venv does not install. Not in .ci/run (its time limit); run it by hand.
+COMPAT        ?= newest
+COMPAT_SET    := tests/compat/$(COMPAT).txt
+COMPAT_VENV   := .venv-compat-$(COMPAT)
+COMPAT_PY     := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP  := $(COMPAT_VENV)/.installed
+COMPAT_TOOLS  := "chex>=0.1.87" "equinox>=0.13.1" "pytest>=8" "hypothesis>=6.100"
+COMPAT_CORE   := $(shell sed -e 's/\#.*//' tests/compat/core.txt)
+
+$(COMPAT_STAMP): pyproject.toml $(COMPAT_SET)
+	@test -f $(COMPAT_SET) || { echo "COMPAT=$(COMPAT): no $(COMPAT_SET) (oldest or newest)"; exit 1; }
+	rm -rf $(COMPAT_VENV)
+	$(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install --quiet --upgrade pip
+	$(COMPAT_PY) -m pip install --quiet -r $(COMPAT_SET) -e ".[flax]" $(COMPAT_TOOLS)
+	$(COMPAT_PY) -m pip list --format=freeze | grep -iE '^(jax|jaxlib|numpy|optax|flax|equinox|chex)==' > $(COMPAT_VENV)/versions.txt
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	@echo "== COMPAT=$(COMPAT):" $$(cat $(COMPAT_VENV)/versions.txt)
+	CI=1 JAX_LOSSSCALE_CI_OPTIONAL=torch $(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_CORE)
 
 demo: $(STAMP)
 	$(PY) examples/demo_fp16.py --out $(OUT)
@@ -146,4 +174,4 @@ endef
 export DIST_CHECK
 
 clean:
-	rm -rf $(VENV) .pytest_cache $(OUT) site dist build
+	rm -rf $(VENV) .venv-compat-* .pytest_cache $(OUT) site dist build

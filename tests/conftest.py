@@ -7,7 +7,8 @@
 * In CI (``CI=true``) no test may be skipped for a missing optional dependency
   that ``make test`` installs (``helpers.REQUIRED_IN_CI``): ``helpers.import_optional``
   fails there, and the hooks below turn ``pytest.importorskip`` of one of them
-  into a failure too.
+  into a failure too. ``JAX_LOSSSCALE_CI_OPTIONAL`` exempts named ones
+  (``make test-compat``, whose venv has no torch; see ``helpers.required_in_ci``).
 
 The helper functions the test files share live in ``tests/helpers.py``
 (``from helpers import ...``); they are re-exported here for the files that
@@ -28,12 +29,13 @@ import pytest
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # Re-exported: test files that predate tests/helpers.py import these from conftest.
-from helpers import REQUIRED_IN_CI  # noqa: E402
+from helpers import REQUIRED_IN_CI  # noqa: E402, F401
 from helpers import calibrated_iterations  # noqa: E402, F401
 from helpers import has_cuda  # noqa: E402, F401
 from helpers import import_optional  # noqa: E402, F401
 from helpers import import_torch  # noqa: E402, F401
-from helpers import in_ci  # noqa: E402
+from helpers import in_ci  # noqa: E402, F401
+from helpers import required_in_ci  # noqa: E402
 from helpers import slow_batch  # noqa: E402, F401
 from helpers import standard_promotion  # noqa: E402, F401
 
@@ -62,14 +64,14 @@ def _missing_required_module(report) -> str:
   if not report.skipped or not isinstance(report.longrepr, tuple):
     return ""
   match = re.match(r"(?:Skipped: )?could not import '([\w.]+)'", str(report.longrepr[2]))
-  if match and match.group(1).split(".")[0] in REQUIRED_IN_CI:
+  if match and required_in_ci(match.group(1)):
     return match.group(1)
   return ""
 
 
 def _fail_required_skip(report) -> None:
   """In CI, turns a report skipped by ``importorskip`` of a required dependency into a failure."""
-  name = _missing_required_module(report) if in_ci() else ""
+  name = _missing_required_module(report)
   if name:
     report.outcome = "failed"
     report.longrepr = f"{name} is required in CI (it is in the test extra); importorskip skipped it"

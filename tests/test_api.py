@@ -213,7 +213,7 @@ def test_wheel_holds_the_package_its_license_and_only_the_runtime_dependencies(t
   assert not any(n.startswith(("tests/", "docs/", "examples/")) for n in names)
   assert meta["Version"] == jls.__version__
   assert meta["License-Expression"] == "Apache-2.0"
-  assert meta["Requires-Python"] == ">=3.11"  # jax 0.7, the oldest allowed, needs 3.11
+  assert meta["Requires-Python"] == ">=3.11"  # jax 0.9, the oldest allowed, needs 3.11
   assert meta.get_all("Project-URL") is None  # no project address is confirmed yet
   runtime = sorted(r.split(">")[0] for r in meta.get_all("Requires-Dist") if "extra ==" not in r)
   assert runtime == ["jax", "numpy", "optax"]

@@ -36,7 +36,9 @@ def _all_eqns(jaxpr):
   """Every equation of ``jaxpr`` and of the jaxprs in its params, depth first."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    # jax.extend.core has it from jax 0.10 on, jax._src.core before.
+    jaxprs_in_params = getattr(jax.extend.core, "jaxprs_in_params", None)
+    for sub in (jaxprs_in_params or jax._src.core.jaxprs_in_params)(eqn.params):
       yield from _all_eqns(sub)
 
 
@@ -955,6 +957,9 @@ def test_autocast_example_equinox_trains():
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
 def test_a_nested_jit_keeps_its_in_and_out_shardings(axis_type):
+  if axis_type == AxisType.Explicit and jax.__version_info__ < (0, 10):
+    # Not autocast's limit: plain jax.grad of f raises the same ShardingTypeError there.
+    pytest.skip("jax < 0.10 cannot differentiate a sharded contraction under an Explicit mesh")
   mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
   s = NamedSharding(mesh, P("d"))
   x = jax.device_put(_rand(0, (8, 4)), s)

@@ -20,9 +20,14 @@ def make_optimizer(model, tx):
 
 def _update(optimizer, model, grads):
   """``optimizer.update(model, grads)`` (Flax >= 0.11) or ``update(grads)``."""
-  if len(inspect.signature(optimizer.update).parameters) >= 2:
+  params = inspect.signature(optimizer.update).parameters.values()
+  if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2:
     return optimizer.update(model, grads)
   return optimizer.update(grads)
+
+
+#: ``nnx.as_pure`` (Flax >= 0.12.7), ``nnx.pure`` before it: the values out of a state.
+_as_pure = getattr(nnx, "as_pure", None) or nnx.pure
 
 
 class Model(nnx.Module):
@@ -89,7 +94,7 @@ def test_nnx_float16_overflow_skips_and_recovers():
   optimizer = make_optimizer(
     model, jls.dynamic_loss_scale(optax.sgd(0.01, momentum=0.9), init_scale=2.0**20)
   )
-  inner_before = jax.tree_util.tree_leaves(nnx.as_pure(optimizer.opt_state.inner_state))
+  inner_before = jax.tree_util.tree_leaves(_as_pure(optimizer.opt_state.inner_state))
   assert all(s.dtype == jnp.float32 for s in inner_before)  # promoted inner state
   x, y = _data()
   before = _params(model)
@@ -97,7 +102,7 @@ def test_nnx_float16_overflow_skips_and_recovers():
   assert bool(m["last_step_skipped"]) and float(m["scale"]) == 2.0**19
   for a, b in zip(_params(model), before):
     assert a.dtype == np.float16 and a.tobytes() == b.tobytes()
-  inner_after = jax.tree_util.tree_leaves(nnx.as_pure(optimizer.opt_state.inner_state))
+  inner_after = jax.tree_util.tree_leaves(_as_pure(optimizer.opt_state.inner_state))
   for a, b in zip(inner_after, inner_before):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   for _ in range(10):

@@ -42,6 +42,9 @@ from jax_lossscale._autocast._policy import PROMOTE
 
 __all__ = ("NO_FACTS", "Facts", "Interpreter", "Taps", "Val", "cast", "is_eligible")
 
+# jax.extend.core exports it from jax 0.10 on; jax 0.9 has it in jax._src.core only.
+_jaxprs_in_params: Any = getattr(jex, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
+
 #: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
 ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
@@ -292,7 +295,7 @@ class Interpreter:
         self._untapped -= untapped
     if k in (prims.AS_WRITTEN, prims.KERNEL):
       return self.as_written(eqn, ins)
-    if k is None and jex.jaxprs_in_params(eqn.params):
+    if k is None and _jaxprs_in_params(eqn.params):
       raise unsupported(prim.name, eqn)
     if k == prims.INDEPENDENT:
       return [Val(o) for o in _bind(eqn, [v.x for v in ins])]
