@@ -206,7 +206,10 @@ def test_wheel_holds_the_package_its_license_and_only_the_runtime_dependencies(t
     meta = email.message_from_bytes(z.read(meta_name))
   # Every module of the package, its subpackages' too (a flat `packages` list drops them).
   sources = {p.relative_to(root).as_posix() for p in (root / "jax_lossscale").rglob("*.py")}
-  assert {"jax_lossscale/_scaler/_transform.py", "jax_lossscale/_autocast/_interpreter.py"} <= sources
+  assert {
+    "jax_lossscale/_scaler/_transform.py",
+    "jax_lossscale/_autocast/_interpreter.py",
+  } <= sources
   assert sources <= names, sorted(sources - names)
   assert "jax_lossscale/py.typed" in names
   assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
