@@ -393,7 +393,8 @@ def _linen(rule: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     from flax.linen.module import wrap_method_once
 
     vars(method).pop("method_handler_wrapped", None)  # copied from `original` by wraps
-    return wrap_method_once(method)
+    wrapped: Callable[..., Any] = wrap_method_once(method)
+    return wrapped
 
   make.rule = rule  # type: ignore[attr-defined]
   return make
