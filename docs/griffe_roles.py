@@ -20,14 +20,31 @@ _ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|exc|obj):`(~?)([^`]+)`")
 _NAMESPACES = ("", ".flax", ".diagnostics", ".torch", ".checkpoint")
 
 
+def _static_all(ns: str) -> list[str]:
+  """The literal ``__all__`` of a public namespace, read without importing it."""
+  import ast
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "jax_lossscale" / f"{ns.lstrip('.')}.py"
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+      return list(ast.literal_eval(node.value))
+  return []
+
+
 def _documented() -> dict[str, str]:
   """Every documented identifier, and each short name that names exactly one of them."""
   import importlib
 
   full: set[str] = set()
   for ns in _NAMESPACES:
-    module = importlib.import_module(f"jax_lossscale{ns}")
     full.add(f"jax_lossscale{ns}")
+    try:
+      module = importlib.import_module(f"jax_lossscale{ns}")
+    except ImportError:  # an optional namespace (flax) without its dependency: names only
+      for name in _static_all(ns):
+        full.add(f"jax_lossscale{ns}.{name}")
+      continue
     for name in getattr(module, "__all__", ()):
       obj = getattr(module, name)
       ident = f"jax_lossscale{ns}.{name}"
