@@ -27,7 +27,9 @@ def _static_all(ns: str) -> list[str]:
 
   path = pathlib.Path(__file__).resolve().parents[1] / "jax_lossscale" / f"{ns.lstrip('.')}.py"
   for node in ast.parse(path.read_text()).body:
-    if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+    if isinstance(node, ast.Assign) and any(
+      getattr(t, "id", "") == "__all__" for t in node.targets
+    ):
       return list(ast.literal_eval(node.value))
   return []
 
