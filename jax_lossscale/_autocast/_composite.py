@@ -423,8 +423,6 @@ _REGISTRATIONS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..
   ("flax.linen", "BatchNorm.__call__", _linen(FLOAT32_COMPUTE)),
 )
 
-_INSTALLED = threading.local()
-
 
 def registrations() -> tuple[tuple[str, str, str], ...]:
   """``(module, attribute, rule)`` of each shipped registration (for the guide's table)."""

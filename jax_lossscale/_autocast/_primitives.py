@@ -48,7 +48,6 @@ __all__ = (
   "SCATTER",
   "NamedPrimitive",
   "by_name",
-  "first_order_names",
   "kind",
   "resolve",
   "table_names",
@@ -499,11 +498,6 @@ def by_name(name: str) -> jex.Primitive | None:
       _STAND_INS[name] = NamedPrimitive(name)
     return _STAND_INS[name]
   return None
-
-
-def first_order_names() -> frozenset[str]:
-  """The names a policy can key: the primitives of kind ``FIRST_ORDER``."""
-  return frozenset(_KINDS[FIRST_ORDER])
 
 
 def table_names() -> dict[str, str]:
