@@ -32,6 +32,8 @@ from jax_lossscale._scaler._numerics import all_finite as all_finite
 from jax_lossscale._scaler._numerics import fp16_roundtrip as fp16_roundtrip
 from jax_lossscale._scaler._numerics import unscale_and_check as unscale_and_check
 from jax_lossscale._scaler._product import scale_product as scale_product
+from jax_lossscale._scaler._retry import RetriedGrads as RetriedGrads
+from jax_lossscale._scaler._retry import retry_on_overflow as retry_on_overflow
 from jax_lossscale._scaler._rule import update_scale as update_scale
 from jax_lossscale._scaler._signals import LossScaleWarning as LossScaleWarning
 from jax_lossscale._scaler._state import DynamicScaleConfig as DynamicScaleConfig
@@ -55,6 +57,7 @@ __all__ = (
   "LossScaleError",
   "LossScaleState",
   "LossScaleWarning",
+  "RetriedGrads",
   "UnsupportedPrimitiveError",
   "all_finite",
   "autocast",
@@ -69,6 +72,7 @@ __all__ = (
   "metrics",
   "multi_steps",
   "no_loss_scale",
+  "retry_on_overflow",
   "scale_loss",
   "scale_product",
   "static_loss_scale",

@@ -110,6 +110,26 @@ CASES = {
     "sd|disabled",
   ),
   "flax.value_and_grad(fun)": (lambda: jflax.value_and_grad(3, STATE), None, "fun"),
+  "retry_on_overflow(fun)": (lambda: jls.retry_on_overflow(3, STATE), None, "fun"),
+  "retry_on_overflow(max_retries)": (
+    lambda: jls.retry_on_overflow(jnp.sum, STATE, max_retries="3"),
+    lambda: jls.retry_on_overflow(jnp.sum, STATE, max_retries=-1),
+    "max_retries",
+  ),
+  "retry_on_overflow(state)": (
+    lambda: jls.retry_on_overflow(jnp.sum, None),
+    lambda: jls.retry_on_overflow(jnp.sum, G),
+    "state|DynamicScaleState",
+  ),
+  "flax.TrainState.retry_value_and_grad(max_retries)": (
+    lambda: jflax.TrainState.create(apply_fn=None, params=G, tx=SGD).retry_value_and_grad(
+      jnp.sum, max_retries=1.5
+    ),
+    lambda: jflax.TrainState.create(apply_fn=None, params=G, tx=SGD).retry_value_and_grad(
+      jnp.sum, max_retries=-1
+    ),
+    "max_retries",
+  ),
   "flax.TrainState.create(dynamic_scale)": (
     lambda: jflax.TrainState.create(apply_fn=None, params=G, tx=SGD, dynamic_scale=1.0),
     lambda: jflax.TrainState.create(apply_fn=None, params=G, tx=jls.dynamic_loss_scale(SGD)),

@@ -29,6 +29,9 @@ from jax_lossscale._scaler._numerics import is_float
 from jax_lossscale._scaler._numerics import promote_floats
 from jax_lossscale._scaler._numerics import refuse_complex
 from jax_lossscale._scaler._numerics import unscale_and_check
+from jax_lossscale._scaler._retry import DEFAULT_MAX_RETRIES
+from jax_lossscale._scaler._retry import check_max_retries
+from jax_lossscale._scaler._retry import retry_loop
 from jax_lossscale._scaler._rule import update_scale
 from jax_lossscale._scaler._sharding import across_axis
 from jax_lossscale._scaler._sharding import place_like_params
@@ -260,6 +263,69 @@ class TrainState(train_state.TrainState):
     return value_and_grad(
       fun, self.dynamic_scale, argnums=argnums, has_aux=has_aux, axis_name=axis_name
     )
+
+  def retry_value_and_grad(
+    self,
+    fun: Callable[..., Any],
+    *,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    axis_name: AxisName | None = None,
+  ) -> Callable[..., tuple[TrainState, ScaledValueAndGrad]]:
+    """:meth:`value_and_grad` that recomputes an overflowing batch instead of losing it.
+
+    On inf/NaN gradients the scale backs off by the torch rule and the same
+    batch's gradients are computed again at the new scale, up to
+    ``max_retries`` times, in the same jitted step (see
+    :func:`jax_lossscale.retry_on_overflow`, whose rule this is: each
+    overflowing attempt counts as a skipped step of ``dynamic_scale``). Pass
+    the returned gradients to :meth:`apply_gradients` of the returned state,
+    which applies them once, or skips the step if the last retry overflowed
+    too.
+
+    Args:
+      fun: the loss function, pure (pass a dropout key as an argument).
+      max_retries: how many recomputations at most, ``>= 0``; 0 is
+        :meth:`value_and_grad`, bit for bit.
+      argnums: as in :func:`value_and_grad`.
+      has_aux: as in :func:`value_and_grad`.
+      axis_name: as in :func:`value_and_grad` (the retry decision is then
+        the same on every device).
+
+    Returns:
+      A function with ``fun``'s signature returning ``(state, out)``: this
+      state with ``dynamic_scale`` advanced past the overflowing attempts,
+      and the last attempt's :class:`ScaledValueAndGrad`.
+
+    Raises:
+      TypeError: ``max_retries`` is not an integer.
+      ValueError: ``max_retries`` is negative.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from jax_lossscale.flax import TrainState
+      >>> state = TrainState.create(apply_fn=None, params=jnp.ones(2), tx=optax.sgd(0.1))
+      >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16))  # 65536 overflows its backward
+      >>> state, out = state.retry_value_and_grad(loss_fn)(state.params)
+      >>> state = state.apply_gradients(grads=out.grads, finite=out.finite)
+      >>> state.params, int(state.step), float(state.dynamic_scale.scale)
+      (Array([0.9, 0.9], dtype=float32), 1, 32768.0)
+    """
+    max_retries = check_max_retries(max_retries)
+    grad_of = lambda ds: value_and_grad(
+      fun, ds, argnums=argnums, has_aux=has_aux, axis_name=axis_name
+    )
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[TrainState, ScaledValueAndGrad]:
+      def attempt(ds: DynamicScaleState) -> tuple[ScaledValueAndGrad, jax.Array]:
+        out = grad_of(ds)(*args, **kwargs)
+        return out, out.finite
+
+      ds, out, _ = retry_loop(attempt, self.dynamic_scale, max_retries)
+      return self.replace(dynamic_scale=ds), out
+
+    return wrapped
 
   def apply_gradients(
     self, *, grads: optax.Updates, finite: ArrayLike | None = None, **kwargs: Any

@@ -139,7 +139,7 @@ class DynamicScaleConfig:
 #: default values from here (checked by ``tests/test_api.py``).
 DEFAULT_CONFIG = DynamicScaleConfig()
 
-_DATA_FIELDS = (
+DATA_FIELDS = (
   "scale",
   "growth_tracker",
   "hysteresis_tracker",
@@ -238,7 +238,7 @@ class DynamicScaleState:
 
 
 jax.tree_util.register_dataclass(
-  DynamicScaleState, data_fields=list(_DATA_FIELDS), meta_fields=["config"]
+  DynamicScaleState, data_fields=list(DATA_FIELDS), meta_fields=["config"]
 )
 
 
