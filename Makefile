@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast test-compat demo bench bench-quick gpu-check gpu-bench mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-fast test-compat demo bench bench-quick gpu-check gpu-bench gpu-bench-retry mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
+	@echo "make gpu-bench-retry - whether a retry_on_overflow step makes the host wait (for a GPU machine)"
 	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
 	@echo "make docs        - the docs site into site/ (mkdocs build --strict), then its internal links checked"
@@ -97,6 +98,12 @@ gpu-bench:
 # bench-gpu-large.{md,json} to $(BENCH_OUT).
 gpu-bench-large:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_large.py --out $(BENCH_OUT)
+
+# Whether a step with jls.retry_on_overflow makes the host wait (the while loop's predicate),
+# as compiled and with XLA's command buffers for while/conditional (< 2 min on an H200);
+# writes retry-sync-gpu.md to $(BENCH_OUT).
+gpu-bench-retry:
+	PYTHONPATH=. $(PYTHON) benchmarks/bench_retry_sync.py --model gpt --out $(BENCH_OUT)
 
 MUTATE_STAMP := $(VENV)/.installed-mutate
 

@@ -154,6 +154,28 @@ def jax_lossscale(loss_fn, make_tx):
   )
 
 
+@variant("jls_retry", "jax_lossscale.retry_on_overflow (max_retries=3) + dynamic_loss_scale")
+def jls_retry(loss_fn, make_tx):
+  """The ``jax_lossscale`` step with its gradients from ``retry_on_overflow``.
+
+  Nothing overflows in the benchmark (its scale starts at 2**16 and the models' gradients
+  stay below float16's range), so the pair measures what the retry costs when it is not
+  used: the loop test after the first attempt, and the loop's second copy of the
+  backward pass in the compiled program.
+  """
+  stx = jls.dynamic_loss_scale(make_tx(), init_scale=INIT_SCALE)
+
+  def step(state, x, y):
+    params, opt_state = state
+    opt_state, out = jls.retry_on_overflow(loss_fn, opt_state, max_retries=3)(params, x, y)
+    updates, opt_state = stx.update(out.grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), out.value
+
+  return Variant(
+    lambda p: (p, stx.init(p)), step, lambda s: _scale_notes(jls.get_scale_state(s[1]))
+  )
+
+
 @variant("jls_trainstate", "jax_lossscale.flax.TrainState", requires=("flax",))
 def jls_trainstate(loss_fn, make_tx):
   from jax_lossscale import flax as jls_flax

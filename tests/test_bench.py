@@ -266,3 +266,14 @@ def test_hlo_census_counts_converts_by_dtype():
   c = bench_hlo.census(jax.jit(f).lower(a, w).compile().as_text())
   assert c["converts"][("f32", "f16")] >= 1 and c["converts"][("f16", "f32")] >= 1
   assert sum(n for (op, _), n in c["ops"].items() if op == "convert") == sum(c["converts"].values())
+
+
+def test_retry_sync_benchmark_runs_and_renders(tmp_path, capsys):
+  """The GPU host-sync measurement of retry_on_overflow runs here too (CPU: no flag variant)."""
+  import bench_retry_sync
+
+  bench_retry_sync.main(
+    ["--model", "mlp-1m", "--steps", "2", "--rounds", "1", "--out", str(tmp_path)]
+  )
+  text = (tmp_path / "retry-sync-cpu.md").read_text()
+  assert "| as compiled | scaled |" in text and "| as compiled | retry |" in text
