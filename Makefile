@@ -82,7 +82,7 @@ bench-quick: $(BENCH_STAMP)
 # Runs on a GPU machine with what is installed there (no network, no venv).
 # The CUDA comparison tests, then the exactness, numerics, config and transform
 # tests on the GPU backend (XLA:GPU keeps subnormals, so they check every bit).
-GPU_TESTS := tests/test_skip.py tests/test_numerics.py tests/test_transform_config.py tests/test_transform.py
+GPU_TESTS := tests/test_skip.py tests/test_numerics.py tests/test_transform_config.py tests/test_transform.py tests/test_retry.py
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests
 	PYTHONPATH=. $(PYTHON) -m pytest -q -p no:cacheprovider $(GPU_TESTS)
