@@ -447,3 +447,102 @@ def test_aux_and_argnums_come_from_the_last_attempt():
   np.testing.assert_array_equal(out.grads[0], np.full(2, 8192.0))
   assert out.aux == {"scale_seen": jnp.float32(1.0)}
   assert float(new.scale) == 8192.0
+
+
+def _probe_loss():
+  """A loss whose scaled-loss gradient at scale S is ``float16(true * S)`` with forced values.
+
+  ``mask`` (1.0 where a value is forced) and ``vals`` (the forced inf/NaN) poison the
+  float16 gradient at any scale, as ``torch_side_by_side.Step.scaled`` does.
+  """
+
+  @jax.custom_vjp
+  def probe(params, true, mask, vals):
+    return jnp.zeros([], jnp.float32)
+
+  def fwd(params, true, mask, vals):
+    return probe(params, true, mask, vals), (true, mask, vals)
+
+  def bwd(res, ct):
+    true, mask, vals = res
+    grads = [
+      jnp.where(m > 0, v.astype(F16), (t * ct).astype(F16)).astype(jnp.float32)
+      for t, m, v in zip(true, mask, vals)
+    ]
+    zeros = lambda xs: [jnp.zeros_like(x) for x in xs]
+    return grads, zeros(true), zeros(mask), zeros(vals)
+
+  probe.defvjp(fwd, bwd)
+  return probe
+
+
+def test_retries_equal_torch_gradscaler_fed_each_overflowing_batch_again():
+  """The real torch.amp.GradScaler, its batch re-fed by hand on the host, against one jitted step."""
+  torch = import_optional("torch")
+  import torch_side_by_side as sbs
+
+  max_retries = 3
+  config = {"init_scale": 2.0**15, "growth_interval": 3}
+  seq = sbs.make_sequence(seed=11, steps=40, magnitudes=(1e-3, 2.0), overflow_runs=4, max_run=1)
+
+  # torch: the batch fed again while the step was skipped and the scale backed off.
+  params = [torch.zeros(s, dtype=torch.float32, requires_grad=True) for s in sbs.SHAPES]
+  opt = torch.optim.SGD(params, lr=1.0)
+  scaler = torch.amp.GradScaler("cpu", **config)
+  torch_trace = []
+  for batch in seq:
+    retries = 0
+    while True:
+      scaler.scale(torch.ones(()))
+      before = scaler.get_scale()
+      for p, g in zip(params, batch.scaled(before)):
+        p.grad = torch.tensor(g.astype(np.float32))
+      scaler.unscale_(opt)
+      found = sum(
+        v.item() for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values()
+      )
+      scaler.step(opt)
+      scaler.update()
+      if not found or retries == max_retries or scaler.get_scale() == before:
+        break
+      retries += 1
+    torch_trace.append(
+      (
+        retries,
+        np.float32(scaler.get_scale()),
+        int(scaler._growth_tracker.item()),
+        [p.detach().numpy().copy() for p in params],
+      )
+    )
+
+  # jax: one jitted step per batch.
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), **config)
+  probe = _probe_loss()
+
+  @jax.jit
+  def step(params, state, true, mask, vals):
+    retry = jls.retry_on_overflow(probe, state, max_retries=max_retries)
+    state, out = retry(params, true, mask, vals)
+    updates, state = tx.update(out.grads, state, params)
+    return optax.apply_updates(params, updates), state, out.retries
+
+  jparams = [jnp.zeros(s, jnp.float32) for s in sbs.SHAPES]
+  state = tx.init(jparams)
+  total_retries = 0
+  for t, batch in enumerate(seq):
+    mask = [np.zeros(s, np.float32) for s in sbs.SHAPES]
+    vals = [np.zeros(s, np.float32) for s in sbs.SHAPES]
+    for i, pos, value in batch.poison:
+      mask[i].reshape(-1)[pos] = 1.0
+      vals[i].reshape(-1)[pos] = value
+    jparams, state, retries = step(jparams, state, batch.true, mask, vals)
+    t_retries, t_scale, t_tracker, t_params = torch_trace[t]
+    assert int(retries) == t_retries, f"batch {t}"
+    s = jls.get_scale_state(state)
+    sbs.assert_same_bits(s.scale, t_scale, f"batch {t}: scale")
+    assert int(s.growth_tracker) == t_tracker, f"batch {t}"
+    for i, (p, q) in enumerate(zip(jparams, t_params)):
+      sbs.assert_same_bits(p, q, f"batch {t}: param leaf {i}", flush=True)
+    total_retries += t_retries
+  assert total_retries >= 5  # natural overflows after growth, and forced ones
+  assert any(r == max_retries for r, *_ in torch_trace)  # a forced inf outlasts the retries
