@@ -832,8 +832,8 @@ MUTANTS = [
     TRANSFORM,
     '  if len(found) != 1:\n    raise ValueError(\n      f"opt_state must hold exactly one',
     '  if not found:\n    raise ValueError(\n      f"opt_state must hold exactly one',
-    (CFG + "::test_inner_state_refuses_several_loss_scale_states",),
-    "inner_state returns the first of several loss-scale states",
+    (CFG + "::test_get_inner_state_refuses_several_loss_scale_states",),
+    "get_inner_state returns the first of several loss-scale states",
   ),
   Mutant(
     "scale-loss-f64-to-f32",
