@@ -16,7 +16,7 @@ help:
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
 	@echo "make gpu-bench-retry - whether a retry_on_overflow step makes the host wait (for a GPU machine)"
-	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run"
+	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run (its report: .mutate-cache/mutation-report-sized.md)"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
 	@echo "make docs        - the docs site into site/ (mkdocs build --strict), then its internal links checked"
 	@echo "make docs-serve  - the docs site on http://127.0.0.1:8000 while editing"

@@ -41,7 +41,7 @@ from jax_lossscale._scaler._state import DynamicScaleState as DynamicScaleState
 from jax_lossscale._scaler._state import get_scale_state as get_scale_state
 from jax_lossscale._scaler._transform import LossScaleState as LossScaleState
 from jax_lossscale._scaler._transform import dynamic_loss_scale as dynamic_loss_scale
-from jax_lossscale._scaler._transform import inner_state as inner_state
+from jax_lossscale._scaler._transform import get_inner_state as get_inner_state
 from jax_lossscale._scaler._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._scaler._transform import scale_loss as scale_loss
 from jax_lossscale._scaler._transform import static_loss_scale as static_loss_scale
@@ -67,8 +67,8 @@ __all__ = (
   "dynamic_loss_scale",
   "float32",
   "fp16_roundtrip",
+  "get_inner_state",
   "get_scale_state",
-  "inner_state",
   "metrics",
   "multi_steps",
   "no_loss_scale",
@@ -95,15 +95,27 @@ _DEPRECATED = {
 }
 
 
+#: Top-level names of 0.1.0 that were renamed: old name -> new name (same module).
+#: They keep working for one release, with a DeprecationWarning.
+_RENAMED = {
+  # It read like the field LossScaleState.inner_state; named like get_scale_state now.
+  "inner_state": "get_inner_state",
+}
+
+
 def __getattr__(name: str) -> object:
-  """The moved names of :data:`_DEPRECATED`, with a ``DeprecationWarning``."""
-  module = _DEPRECATED.get(name)
-  if module is None:
+  """The moved names of :data:`_DEPRECATED` and the renamed ones of :data:`_RENAMED`,
+  with a ``DeprecationWarning``."""
+  module, new = _DEPRECATED.get(name), _RENAMED.get(name)
+  if module is not None:
+    message = f"jax_lossscale.{name} moved to {module}.{name}"
+  elif new is not None:
+    module, message = "jax_lossscale", f"jax_lossscale.{name} is now jax_lossscale.{new}"
+  else:
     raise AttributeError(f"module 'jax_lossscale' has no attribute {name!r}")
   _warnings.warn(
-    f"jax_lossscale.{name} moved to {module}.{name}; the old name is deprecated "
-    "and will be removed in the next release.",
+    f"{message}; the old name is deprecated and will be removed in the next release.",
     DeprecationWarning,
     stacklevel=2,
   )
-  return getattr(_importlib.import_module(module), name)
+  return getattr(_importlib.import_module(module), new or name)

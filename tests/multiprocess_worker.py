@@ -5,7 +5,9 @@ Started as ``python tests/multiprocess_worker.py TASK --process-id I
 devices, so every run has one mesh of 8 devices, whatever its topology.
 Cross-device sums go through gloo in every run, also with one process (then
 the sums have the same order as with two processes; in-process collectives
-sum in another order).
+sum in another order). ``--collectives in-process`` (one process only) sums
+through XLA's in-process collectives instead: benchmarks/collectives_order.py
+measures the difference.
 
 Tasks:
 
@@ -402,6 +404,15 @@ def leaves_as_bytes(finals):
   return out
 
 
+def leaf_dtypes(finals):
+  """The dtype of every leaf of :func:`leaves_as_bytes`, by the same key."""
+  return {
+    name + jax.tree_util.keystr(path): str(np.asarray(leaf).dtype)
+    for name, tree in finals.items()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("tasks", help="comma-separated: train, resume")
@@ -411,9 +422,19 @@ def main(argv=None):
   parser.add_argument("--out", required=True)
   parser.add_argument("--save", default="", help="train: save checkpoints under this folder")
   parser.add_argument("--restore", default="", help="resume: restore from this folder")
+  parser.add_argument(
+    "--collectives",
+    choices=("gloo", "in-process"),
+    default="gloo",
+    help="in-process: XLA's own CPU collectives (one process only; another summation order)",
+  )
   args = parser.parse_args(argv)
+  if args.collectives == "in-process" and args.num_processes != 1:
+    parser.error("--collectives in-process needs --num-processes 1")
   try:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # gloo is also JAX's default; None leaves the sums to XLA's in-process collectives.
+    impl = "gloo" if args.collectives == "gloo" else None
+    jax.config.update("jax_cpu_collectives_implementation", impl)
   except Exception as e:
     print(f"gloo is not available: {e}", file=sys.stderr)
     return 3
@@ -430,6 +451,7 @@ def main(argv=None):
     for task in args.tasks.split(","):
       results, finals = {"process_index": jax.process_index()}, {}
       {"train": task_train, "resume": task_resume}[task](args, results, finals)
+      results["leaf_dtypes"] = leaf_dtypes(finals)
       stem = os.path.join(args.out, f"{task}-{args.process_id}")
       np.savez(stem + ".npz", **leaves_as_bytes(finals))
       with open(stem + ".json", "w") as f:

@@ -6,6 +6,8 @@ import pathlib
 import sys
 import warnings
 
+import jax.numpy as jnp
+import optax
 import pytest
 
 import jax_lossscale as jls
@@ -25,6 +27,9 @@ MOVED = {
   "from_torch_state_dict": "torch",
   "to_torch_state_dict": "torch",
 }
+
+#: 0.1.0's top-level names that were renamed, and their new top-level names.
+RENAMED = {"inner_state": "get_inner_state"}
 
 #: What the seeds (the worked examples the project grew from) call at the top level.
 SEED_NAMES = (
@@ -80,6 +85,25 @@ def test_moved_names_warn_and_return_the_same_object(name):
   with pytest.warns(DeprecationWarning, match=name):
     exec(f"from jax_lossscale import {name} as imported", scope := {})
   assert scope["imported"] is old
+
+
+@pytest.mark.parametrize("name", sorted(RENAMED))
+def test_renamed_names_warn_and_return_the_same_object(name):
+  new = RENAMED[name]
+  assert new in jls.__all__ and name not in jls.__all__
+  with pytest.warns(DeprecationWarning, match=f"jax_lossscale.{name} is now jax_lossscale.{new}"):
+    old = getattr(jls, name)
+  assert old is getattr(jls, new)
+  with pytest.warns(DeprecationWarning, match=new):
+    exec(f"from jax_lossscale import {name} as imported", scope := {})
+  assert scope["imported"] is old
+
+
+def test_get_inner_state_is_named_like_get_scale_state_without_a_warning():
+  state = jls.dynamic_loss_scale(optax.sgd(1.0)).init({"w": jnp.zeros(2)})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert jls.get_inner_state(state) is state.inner_state
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -66,7 +66,7 @@ def test_optax_entry_points_keep_dtypes(name):
       assert {k: p.dtype for k, p in params.items()} == {"h": jnp.float16, "f": jnp.float32}
   _assert_scale_state_dtypes(jls.get_scale_state(state))
   assert int(jls.get_scale_state(state).skipped_steps) == 1
-  momentum = jax.tree_util.tree_leaves(jls.inner_state(state))
+  momentum = jax.tree_util.tree_leaves(jls.get_inner_state(state))
   assert momentum and all(m.dtype == jnp.float32 for m in momentum)  # float32 for float16 params
 
 
@@ -110,7 +110,7 @@ def test_nnx_optimizer_keeps_dtypes():
   assert model.h[...].dtype == jnp.float16 and model.f[...].dtype == jnp.float32
   assert not np.array_equal(np.asarray(model.f[...]), np.asarray(_params()["f"]))  # it stepped
   _assert_scale_state_dtypes(jls.get_scale_state(optimizer.opt_state))
-  inner = jax.tree_util.tree_leaves(jls.inner_state(optimizer.opt_state))
+  inner = jax.tree_util.tree_leaves(jls.get_inner_state(optimizer.opt_state))
   assert all(m.dtype == jnp.float32 for m in inner)
 
 

@@ -443,7 +443,7 @@ def test_init_leaves_host_values_of_an_inner_state_as_they_are(axis_type):
   _, params_np = _data()
   with _in_mesh(mesh):
     state = jls.dynamic_loss_scale(inner).init(_put(mesh, params_np))
-  held = jls.inner_state(state)
+  held = jls.get_inner_state(state)
   assert held.count == 3 and type(held.count) is int
   assert type(held.table) is np.ndarray
   np.testing.assert_array_equal(held.table, [0.0, 1.0])

@@ -289,10 +289,10 @@ def test_multi_steps_with_half_gradients_of_float32_params(maybe_jit):
   np.testing.assert_array_equal(np.asarray(u1["w"]), np.full(2, expected, np.float32))
 
 
-# ----------------------------------------------------------------------------- inner_state
+# ----------------------------------------------------------------------------- get_inner_state
 
 
-def test_inner_state_serves_schedule_free_eval_params():
+def test_get_inner_state_serves_schedule_free_eval_params():
   params = {"w": jnp.array([1.0, -2.0])}
   inner = optax.contrib.schedule_free_sgd(0.1)
   tx, ref = jls.dynamic_loss_scale(inner, init_scale=8.0), inner
@@ -303,27 +303,27 @@ def test_inner_state_serves_schedule_free_eval_params():
     _, ref_state = ref.update(grads, ref_state, params)
   with pytest.raises(AttributeError):
     optax.contrib.schedule_free_eval_params(state, params)  # the wrapper's state: no b1
-  got = optax.contrib.schedule_free_eval_params(jls.inner_state(state), params)
+  got = optax.contrib.schedule_free_eval_params(jls.get_inner_state(state), params)
   want = optax.contrib.schedule_free_eval_params(ref_state, params)
   np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
 
 
-def test_inner_state_through_chain_and_multi_steps():
+def test_get_inner_state_through_chain_and_multi_steps():
   params = {"w": jnp.zeros(2)}
   tx = optax.chain(optax.clip(1.0), jls.multi_steps(jls.dynamic_loss_scale(optax.adam(1e-3)), 2))
-  assert type(jls.inner_state(tx.init(params))[0]).__name__ == "ScaleByAdamState"
+  assert type(jls.get_inner_state(tx.init(params))[0]).__name__ == "ScaleByAdamState"
   with pytest.raises(ValueError, match="exactly one LossScaleState, found 0"):
-    jls.inner_state(optax.adam(1e-3).init(params))
+    jls.get_inner_state(optax.adam(1e-3).init(params))
 
 
-def test_inner_state_refuses_several_loss_scale_states():
+def test_get_inner_state_refuses_several_loss_scale_states():
   params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
   tx = optax.partition(
     {"a": jls.dynamic_loss_scale(optax.sgd(1.0)), "b": jls.no_loss_scale(optax.adam(1e-3))},
     {"a": "a", "b": "b"},
   )
   with pytest.raises(ValueError, match="exactly one LossScaleState, found 2"):
-    jls.inner_state(tx.init(params))
+    jls.get_inner_state(tx.init(params))
 
 
 # ----------------------------------------------------------------------------- warnings

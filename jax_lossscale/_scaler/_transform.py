@@ -275,11 +275,11 @@ def no_loss_scale(
   return static_loss_scale(inner, 1.0, axis_name=axis_name)
 
 
-def inner_state(opt_state: optax.OptState) -> optax.OptState:
+def get_inner_state(opt_state: optax.OptState) -> optax.OptState:
   """The wrapped optimizer's state inside a loss scaler's state.
 
   For helpers that need the inner optimizer's own state, e.g.
-  ``optax.contrib.schedule_free_eval_params(jls.inner_state(opt_state),
+  ``optax.contrib.schedule_free_eval_params(jls.get_inner_state(opt_state),
   params)``. Searches any nesting (``chain``, ``multi_steps``, a train state),
   like :func:`get_scale_state`. Pure structure inspection: fine inside
   ``jit``.
@@ -297,7 +297,7 @@ def inner_state(opt_state: optax.OptState) -> optax.OptState:
     >>> import jax.numpy as jnp, optax
     >>> import jax_lossscale as jls
     >>> opt_state = jls.dynamic_loss_scale(optax.adam(1e-3)).init({"w": jnp.zeros(2)})
-    >>> type(jls.inner_state(opt_state)[0]).__name__
+    >>> type(jls.get_inner_state(opt_state)[0]).__name__
     'ScaleByAdamState'
   """
   is_ls = lambda x: isinstance(x, LossScaleState)

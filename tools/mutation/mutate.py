@@ -45,8 +45,9 @@ Usage::
 
   python tools/mutation/mutate.py                      # everything, writes tools/mutation/mutation-report.md
   python tools/mutation/mutate.py --list               # list the mutants (and check the snippets)
-  python tools/mutation/mutate.py --modules _state flax --no-hand   # generated mutants of two modules
+  python tools/mutation/mutate.py --modules _state _flax --no-hand  # generated mutants of two modules
   python tools/mutation/mutate.py --sample 4 --limit 50           # every 4th generated mutant, 50 at most
+                                                       # (a sized run: its report goes to .mutate-cache/)
   python tools/mutation/mutate.py --only NAME...       # some mutants (report not written)
   python tools/mutation/mutate.py --only NAME --tests tests/test_x.py::test_y  # does this test kill it?
   python tools/mutation/mutate.py --head               # the last commit, not the working tree
@@ -252,9 +253,21 @@ def _detail(r) -> str:
   return detail.replace("|", "\\|")
 
 
-def write_report(path: str, results, seconds: float, selection: list[str]) -> None:
+def tree_of(head: bool) -> str:
+  """The mutated tree: the last commit, and whether uncommitted changes were mutated too."""
+  git = lambda *a: subprocess.run(
+    ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
+  ).stdout.strip()
+  commit = git("rev-parse", "--short", "HEAD")
+  dirty = not head and git("status", "--porcelain", "--untracked-files=no")
+  return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
+
+
+def write_report(
+  path: str, results, seconds: float, selection: list[str], tree: str, sized: bool
+) -> None:
   lines = [
-    "# Mutation report",
+    "# Mutation report" + (" (a sized run)" if sized else ""),
     "",
     "Written by `make mutate` (`tools/mutation/mutate.py`). Two kinds of mutant, each applied in a",
     "temporary copy of the repository, with only its tests run (`pytest -x`):",
@@ -272,7 +285,7 @@ def write_report(path: str, results, seconds: float, selection: list[str]) -> No
     "observable value (reason given, `EQUIVALENT` in `tools/mutation/mutants.py` for generated ones);",
     "*survived*: they pass (or no test runs the line) although the mutant is a real bug.",
     "",
-    f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, "
+    f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {tree}, {os.cpu_count()} CPUs, "
     f"{seconds / 60:.1f} min in all"
     + (
       f" ({n_cached} results reused from earlier runs: the same package, and the same tests "
@@ -538,7 +551,12 @@ def main(argv=None) -> int:
   )
   parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant at most")
-  parser.add_argument("--report", default=None, help=f"report path (default {REPORT})")
+  parser.add_argument(
+    "--report",
+    default=None,
+    help=f"report path (default {REPORT} for a full run; a sized run, with --modules, "
+    "--sample, --limit, --no-hand or --no-generated, writes .mutate-cache/mutation-report-sized.md)",
+  )
   parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
   parser.add_argument(
     "--tests",
@@ -590,9 +608,12 @@ def main(argv=None) -> int:
         sys.exit(f"mutate: unknown mutants {sorted(unknown)}")
       hand = [m for m in MUTANTS if m.name in args.only]
       generated = [m for m in mutagen.generate(copy) if m.name in args.only]
-    stale = sorted(set(EQUIVALENT) - {m.name for m in mutagen.generate(copy)})
-    if stale and not args.only:
-      print(f"mutate: EQUIVALENT names no generated mutant (stale): {stale}", file=sys.stderr)
+    if not args.only:
+      names = {m.name for m in mutagen.generate(copy)}
+      for table_name, table in (("EQUIVALENT", EQUIVALENT), ("PINNED", PINNED)):
+        stale = sorted(set(table) - names)
+        if stale:
+          print(f"mutate: {table_name} names no generated mutant (stale): {stale}", file=sys.stderr)
     if args.tests:
       hand = [dataclasses.replace(m, tests=tuple(args.tests)) for m in hand]
     selection = [
@@ -699,9 +720,15 @@ def main(argv=None) -> int:
           print("    " + r["output"].replace("\n", "\n    "), flush=True)
   total = time.perf_counter() - t_start
   line = summary_line(results)
-  report = args.report or (REPORT if not (args.only or args.tests) else None)
+  sized = bool(
+    args.modules or args.sample > 1 or args.limit is not None or args.no_hand or args.no_generated
+  )
+  report = args.report
+  if report is None and not (args.only or args.tests):
+    # The committed report is a full run's; a sized run writes beside the cache.
+    report = os.path.join(CACHE, "mutation-report-sized.md") if sized else REPORT
   if report:
-    write_report(report, results, total, selection)
+    write_report(report, results, total, selection, tree_of(args.head), sized)
     print(f"wrote {os.path.relpath(report, ROOT)}")
   print(f"{line} ({total / 60:.1f} min)")
   return 1 if unexplained(results) else 0
