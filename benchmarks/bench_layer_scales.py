@@ -240,15 +240,15 @@ def run(case: Case, kind: str) -> dict[str, Any]:
   layered = kind == "per-layer"
 
   def scales_of(opt_state):
-    return _groups.layer_scale_state(opt_state).scales if layered else None
+    return _groups.get_layer_scale_state(opt_state).scales if layered else None
 
   def loss_scale(opt_state):
     if layered:
-      return _groups.layer_scale_state(opt_state).scales[-1]
+      return _groups.get_layer_scale_state(opt_state).scales[-1]
     return jls.get_scale_state(opt_state).scale
 
   def skipped(opt_state):
-    s = _groups.layer_scale_state(opt_state) if layered else jls.get_scale_state(opt_state)
+    s = _groups.get_layer_scale_state(opt_state) if layered else jls.get_scale_state(opt_state)
     return s.skipped_steps
 
   def step(carry, i):

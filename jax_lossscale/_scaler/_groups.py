@@ -71,7 +71,7 @@ def _is_layer_state(x: Any) -> bool:
   return isinstance(x, LayerScaleState)
 
 
-def layer_scale_state(tree: Any) -> LayerScaleState:
+def get_layer_scale_state(tree: Any) -> LayerScaleState:
   """The :class:`LayerScaleState` in ``tree`` (itself, an optimizer state or a train state).
 
   Raises:
@@ -98,7 +98,7 @@ def _scales_of(state: Any) -> jax.Array:
         f"scales must be a 1-d float array, got dtype {scales.dtype}, shape {scales.shape}."
       )
     return scales.astype(jnp.float32)
-  return layer_scale_state(state).scales
+  return get_layer_scale_state(state).scales
 
 
 def _exponent(scale: jax.Array) -> jax.Array:
@@ -250,8 +250,9 @@ def layer_loss_scale(
     else:                          # the step is skipped
       scale[g] /= 2 for every g; h += 1; tracker = 0
 
-  (scales clipped to ``[min_scale, max_scale]``; a group without non-zero gradients keeps
-  its scale). So no group waits for overflows to find its scale, and overflows probe one
+  (scales clipped to ``[min_scale, max_scale]``). A group whose gradients are all zero,
+  flushed by float16 or unused, has nothing to measure: its scale doubles at each clean step
+  until it sees a non-zero gradient. So no group waits for overflows to find its scale, and overflows probe one
   headroom, as torch's one scale does: the skips are those of one scale. The headroom is
   shared because an overflow cannot be blamed on one group: an inf in group ``g`` poisons
   every cotangent upstream of it.
@@ -284,8 +285,9 @@ def layer_loss_scale(
   growth_interval = check_growth_interval(growth_interval)
   if num_groups is not None:
     num_groups = check_int("num_groups", num_groups, 1)
-  if not callable(groups):
-    _labels(groups, groups)  # the labels themselves are checked now
+  if not callable(groups):  # the labels themselves are checked now
+    labels = _labels(groups, groups)
+    _check_labels(labels, num_groups if num_groups is not None else max(labels, default=0) + 1)
   inner = optax.with_extra_args_support(inner)
   min_e, max_e = int(np.frexp(min_scale)[1]) - 1, int(np.frexp(max_scale)[1]) - 1
 
@@ -354,8 +356,8 @@ def layer_loss_scale(
     headroom = jnp.where(grow, jnp.maximum(state.headroom - one, 0), state.headroom)
     _, k = jnp.frexp(amax)  # amax in [2**(k-1), 2**k)
     measured = (_TOP_EXPONENT - k - headroom).astype(jnp.int32)
-    has = (amax > 0) & jnp.isfinite(amax)
-    clean_e = jnp.where(has, measured, e)
+    # A group whose gradients are all zero (flushed, or unused) doubles until it sees one.
+    clean_e = jnp.where(amax > 0, measured, e + one)
     # Overflow: every scale halves and the headroom grows by one bit (torch's backoff).
     new_e = jnp.clip(jnp.where(finite, clean_e, e - one), min_e, max_e)
     over_headroom = jnp.minimum(state.headroom + one, _MAX_HEADROOM)
