@@ -230,7 +230,9 @@ def run(case: Case, kind: str) -> dict[str, Any]:
   """Trains one run; returns its losses, skips, scales and the per-group flushed shares."""
   dtype = jnp.float32 if kind == "float32" else jnp.float16
   adam = optax.adam(case.lr)
-  labels = {k: jax.tree_util.tree_map(lambda _: g, case.params0[k]) for k, g in case.group_of.items()}
+  labels = {
+    k: jax.tree_util.tree_map(lambda _, g=g: g, case.params0[k]) for k, g in case.group_of.items()
+  }
   if kind == "float32":
     tx = jls.no_loss_scale(adam)
   elif kind == "one scale":
@@ -371,9 +373,7 @@ def markdown(results: dict[str, Any]) -> str:
   for name, r in results["models"].items():
     one, per = r["one scale"]["flushed"], r["per-layer"]["flushed"]
     for g in one["params"]:
-      acts = [
-        f"{d['activations'][g]:.3%}" if g in d["activations"] else "-" for d in (one, per)
-      ]
+      acts = [f"{d['activations'][g]:.3%}" if g in d["activations"] else "-" for d in (one, per)]
       lines.append(
         f"| {name} | {g} | {one['params'][g]:.3%} | {per['params'][g]:.3%} | "
         f"{acts[0]} | {acts[1]} |"
@@ -383,7 +383,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main(argv=None) -> dict[str, Any]:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--out", default=None, help="folder for layer-scales.{md,json}")
+  p.add_argument("--out", default=None, help="folder for layer-scales.md")
   p.add_argument("--quick", action="store_true", help="a quarter of the steps")
   p.add_argument("--models", nargs="*", default=None)
   args = p.parse_args(argv)
@@ -404,8 +404,6 @@ def main(argv=None) -> dict[str, Any]:
   print(text)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "layer-scales.json"), "w") as f:
-      json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "layer-scales.md"), "w") as f:
       f.write(text)
   return results

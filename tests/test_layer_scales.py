@@ -158,12 +158,10 @@ def test_the_small_gradient_branch_flushes_with_one_scale_and_not_with_its_own()
   st = tx.init(p)
   step = jax.jit(tx.update)
   for _ in range(40):  # all flushed at 2**12: the branch's scale doubles until it sees some
-    grads = jax.grad(lambda q: lg.scale_loss_by_layers(_branch_loss(q, x, F16, st), st))(p)
+    grads = jax.grad(lambda q, s=st: lg.scale_loss_by_layers(_branch_loss(q, x, F16, s), s))(p)
     st = step(grads, st)[1]
   assert float(st.scales[1]) >= 2.0**40  # the branch's own, far above the others'
-  per = check_underflow(
-    lambda q, b, dt: _branch_loss(q, b, dt, st), p, x, scale=st.scales[-1]
-  )
+  per = check_underflow(lambda q, b, dt: _branch_loss(q, b, dt, st), p, x, scale=st.scales[-1])
   assert one.fractions(scaled=True)["w1"] > 0.5
   assert per.fractions(scaled=True)["w1"] == 0.0
   assert bool(per.finite_scaled)

@@ -32,6 +32,7 @@ from jax_lossscale._scaler._numerics import promote_floats
 from jax_lossscale._scaler._numerics import refuse_complex
 from jax_lossscale._scaler._skip import skip_step
 from jax_lossscale._scaler._skip import skipped_updates
+from jax_lossscale._scaler._state import DEFAULT_CONFIG
 from jax_lossscale._scaler._state import check_growth_interval
 from jax_lossscale._scaler._state import check_int
 from jax_lossscale._scaler._state import check_positive_finite
@@ -73,6 +74,15 @@ def _is_layer_state(x: Any) -> bool:
 
 def get_layer_scale_state(tree: Any) -> LayerScaleState:
   """The :class:`LayerScaleState` in ``tree`` (itself, an optimizer state or a train state).
+
+  Pure structure inspection: fine inside ``jit``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> tx = optax.chain(optax.clip(1.0), jls.layer_loss_scale(optax.sgd(1.0), [0, 1]))
+    >>> jls.get_layer_scale_state(tx.init([jnp.zeros(2), jnp.zeros(2)])).scales
+    Array([65536., 65536.], dtype=float32)
 
   Raises:
     ValueError: if ``tree`` holds none, or more than one.
@@ -159,6 +169,16 @@ def layer_boundary(x: PyTree, state: Any, group: int) -> PyTree:
   Raises:
     TypeError: ``group`` is not an int.
     ValueError: ``group`` is outside ``[0, G - 2]``, or ``state`` holds no layer scales.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> scales = jnp.array([2.0**20, 2.0**4])   # group 0's scale, group 1's
+    >>> f = lambda x: jnp.sum(jls.layer_boundary(x, scales, 0))
+    >>> jax.grad(f)(jnp.ones(2, jnp.float16))   # times 2**16, exactly
+    Array([inf, inf], dtype=float16)
+    >>> jax.grad(f)(jnp.ones(2, jnp.float32))
+    Array([65536., 65536.], dtype=float32)
   """
   scales = jax.lax.stop_gradient(_scales_of(state))
   groups = scales.shape[0]
@@ -175,7 +195,26 @@ def layer_boundary(x: PyTree, state: Any, group: int) -> PyTree:
 
 
 def scale_loss_by_layers(loss: jax.Array, state: Any) -> jax.Array:
-  """The loss multiplied by the last group's scale, in at least float32."""
+  """The loss multiplied by the last group's scale, in at least float32.
+
+  What :func:`jax_lossscale.scale_loss` is to :func:`jax_lossscale.dynamic_loss_scale`:
+  the gradients of the result, with the :func:`layer_boundary` markers in the model, are
+  those :func:`layer_loss_scale` expects.
+
+  Args:
+    loss: a float scalar (or array) loss.
+    state: the optimizer state of :func:`layer_loss_scale` (or a tree holding its
+      :class:`LayerScaleState`), or the float32[G] scales.
+
+  Returns:
+    ``loss * scales[-1]`` in ``promote_types(loss.dtype, float32)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> jls.scale_loss_by_layers(jnp.float16(2.0), jnp.array([4.0, 65536.0]))
+    Array(131072., dtype=float32)
+  """
   scales = _scales_of(state)
   loss = jnp.asarray(loss)
   if not is_float(loss):
@@ -223,11 +262,11 @@ def layer_loss_scale(
   groups: Any,
   *,
   num_groups: int | None = None,
-  init_scale: float = 2.0**16,
+  init_scale: float = DEFAULT_CONFIG.init_scale,
   min_scale: float = 1.0,
   max_scale: float = 2.0**48,
   init_headroom: int = 1,
-  growth_interval: int = 2000,
+  growth_interval: int = DEFAULT_CONFIG.growth_interval,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a dynamic loss scale per layer group.
 
@@ -270,6 +309,30 @@ def layer_loss_scale(
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`LayerScaleState`.
+
+  Raises:
+    TypeError: naming the argument, for an argument of the wrong type.
+    ValueError: naming the argument, for an invalid value (a scale that is not a power of
+      two, a label outside ``[0, num_groups)``).
+
+  Examples:
+    Two groups: ``w0`` (its gradient ~1e-9) and ``w1``. Each gradient comes out scaled by
+    its own group's scale and is unscaled by it; the next scales come from the gradients.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> params = {"w0": jnp.ones(2), "w1": jnp.ones(2)}
+    >>> tx = jls.layer_loss_scale(optax.sgd(1.0), {"w0": 0, "w1": 1})
+    >>> opt_state = tx.init(params)
+    >>> def loss_fn(p):
+    ...   h = jls.layer_boundary(1e-9 * jnp.sum(p["w0"]), opt_state, 0)  # leaves group 0
+    ...   return h * jnp.sum(p["w1"])
+    >>> grads = jax.grad(lambda p: jls.scale_loss_by_layers(loss_fn(p), opt_state))(params)
+    >>> updates, opt_state = tx.update(grads, opt_state, params)
+    >>> updates["w1"]                     # -(2e-9): unscaled by group 1's scale
+    Array([-2.e-09, -2.e-09], dtype=float32)
+    >>> [f"2^{int(e)}" for e in jnp.log2(opt_state.scales)]
+    ['2^42', '2^42']
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(f"inner must be an optax.GradientTransformation, got {type(inner).__name__}.")
@@ -373,4 +436,3 @@ def layer_loss_scale(
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
