@@ -169,10 +169,19 @@ def lm_plain_loss_fn(params, x, y):
   return lm_loss_fn(params, x, y, dtype=jnp.float32)
 
 
-def lm_loss_fn(params, x, y, heads: int = LM["heads"], dtype=COMPUTE):
-  """Mean next-token cross-entropy (float32) of the decoder-only LM (matmuls in ``dtype``)."""
+def _unmarked(h, name):
+  return h
+
+
+def lm_loss_fn(params, x, y, heads: int = LM["heads"], dtype=COMPUTE, mark=_unmarked):
+  """Mean next-token cross-entropy (float32) of the decoder-only LM (matmuls in ``dtype``).
+
+  ``mark(h, name)`` (the identity by default) sees the residual stream after the embedding
+  (``"embed"``) and after each block (its name), and the logits (``"logits"``): where
+  ``benchmarks/bench_layer_scales.py`` puts its layer boundaries and activation taps.
+  """
   t = x.shape[1]
-  h = params["embed"][x] + params["pos"][:t]  # float32 residual stream
+  h = mark(params["embed"][x] + params["pos"][:t], "embed")  # float32 residual stream
   mask = jnp.tril(jnp.ones((t, t), bool))
   blocks = sorted(k for k in params if k.startswith("block_"))
   for name in blocks:
@@ -193,7 +202,9 @@ def lm_loss_fn(params, x, y, heads: int = LM["heads"], dtype=COMPUTE):
     m = _matmul(_layernorm(h, p["ln2"], dtype), p["fc1"], dtype) + p["fc1_b"].astype(dtype)
     m = jax.nn.gelu(m)
     h = h + (_matmul(m, p["fc2"], dtype) + p["fc2_b"].astype(dtype)).astype(jnp.float32)
-  logits = _matmul(_layernorm(h, params["ln_f"], dtype), params["head"], dtype).astype(jnp.float32)
+    h = mark(h, name)
+  logits = mark(_matmul(_layernorm(h, params["ln_f"], dtype), params["head"], dtype), "logits")
+  logits = logits.astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
