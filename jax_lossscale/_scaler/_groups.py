@@ -223,19 +223,19 @@ def scale_loss_by_layers(loss: jax.Array, state: Any) -> jax.Array:
   return loss.astype(dt) * scales[-1].astype(dt)
 
 
-def _labels(groups: Any, grads: Any) -> list[int | None]:
-  """One group label per leaf of ``grads`` (``None`` for a ``None`` leaf)."""
+def _labels(groups: Any, grads: Any) -> list[int]:
+  """One group label per leaf of ``grads`` (a ``None`` leaf of ``grads`` is a leaf too)."""
   tree = groups(grads) if callable(groups) else groups
   none = lambda x: x is None
   treedef = jax.tree_util.tree_structure(grads, is_leaf=none)
   try:
-    labels = treedef.flatten_up_to(tree)
+    labels = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]  # missing from the stub
   except (ValueError, TypeError) as e:
     raise ValueError(
       "groups must have the structure of the params (one int label per leaf), or be a "
       f"function of the params returning such a tree: {e}"
     ) from None
-  out = []
+  out: list[int] = []
   for label in labels:
     if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
       raise TypeError(f"groups must hold int labels, got {label!r}.")
@@ -382,7 +382,9 @@ def layer_loss_scale(
     g_count = state.scales.shape[0]
     _check_labels(labels, g_count)
     inv = _pow2(-_exponent(state.scales))
-    unscaled, flags, amaxes = [], [[] for _ in range(g_count)], [[] for _ in range(g_count)]
+    unscaled: list[Any] = []
+    flags: list[list[jax.Array]] = [[] for _ in range(g_count)]
+    amaxes: list[list[jax.Array]] = [[] for _ in range(g_count)]
     for x, label in zip(leaves, labels):
       if x is None or not is_float(x):
         unscaled.append(x)
