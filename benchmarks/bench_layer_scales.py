@@ -1,8 +1,10 @@
-"""One loss scale against a scale per layer group, on three models (CPU, a few minutes).
+"""One loss scale against a scale per layer group, on three models (CPU, about 7 minutes on 2 cores).
 
-For each model, three runs from the same initial params on the same batches: float32 (the
-reference), float16 with one dynamic scale (``jls.dynamic_loss_scale``) and float16 with a
-scale per layer group (``layer_loss_scale``, boundaries on the stream between groups).
+For each model, five runs from the same initial params on the same batches: float32 (the
+reference), and float16 with one dynamic scale (``jls.dynamic_loss_scale``) and with a scale
+per layer group (``layer_loss_scale``, boundaries on the stream between groups), each at
+``growth_interval`` 100 (the demo's) and 2000 (torch's default): one scale and the per-layer
+scales are compared at the same interval.
 Reported, per layer group: the share of the float32-non-zero gradient elements that the
 run's float16 backward flushes to zero (``jls.diagnostics.check_underflow`` at the run's own
 scales, on sampled steps), for the parameter gradients and for the activation gradients
@@ -50,10 +52,10 @@ import optax  # noqa: E402
 import jax_lossscale as jls  # noqa: E402
 from jax_lossscale._scaler import _groups  # noqa: E402
 
-GROWTH_INTERVAL = 100  # the one scale's: the demo's (torch's default is 2000)
-# The per-layer scaler's: its statistics find each scale without overflowing, the interval
-# only times the probing of the last bit of headroom (its default, torch's 2000).
-LAYER_GROWTH_INTERVAL = 2000
+# Every float16 scaler runs at each of these: the demo's 100 and torch's default 2000 (for
+# the per-layer scaler the interval times the probing of its one shared headroom).
+GROWTH_INTERVALS = (100, 2000)
+SCALERS = ("one scale", "per-layer")
 PROBES = 10
 
 
@@ -226,7 +228,7 @@ def make_mark(case: Case, scales, taps):
   return mark
 
 
-def run(case: Case, kind: str) -> dict[str, Any]:
+def run(case: Case, kind: str, growth_interval: int | None = None) -> dict[str, Any]:
   """Trains one run; returns its losses, skips, scales and the per-group flushed shares."""
   dtype = jnp.float32 if kind == "float32" else jnp.float16
   adam = optax.adam(case.lr)
@@ -236,9 +238,9 @@ def run(case: Case, kind: str) -> dict[str, Any]:
   if kind == "float32":
     tx = jls.no_loss_scale(adam)
   elif kind == "one scale":
-    tx = jls.dynamic_loss_scale(adam, growth_interval=GROWTH_INTERVAL)
+    tx = jls.dynamic_loss_scale(adam, growth_interval=growth_interval)
   else:
-    tx = _groups.layer_loss_scale(adam, labels, growth_interval=LAYER_GROWTH_INTERVAL)
+    tx = _groups.layer_loss_scale(adam, labels, growth_interval=growth_interval)
   layered = kind == "per-layer"
 
   def scales_of(opt_state):
@@ -339,45 +341,55 @@ def _pow2(x: float) -> str:
   return f"2^{e:.0f}" if e == round(e) else f"{x:g}"
 
 
+def _runs():
+  """(scaler, growth_interval) of the float16 runs, the equal-interval pairs together."""
+  return [(kind, gi) for gi in GROWTH_INTERVALS for kind in SCALERS]
+
+
 def markdown(results: dict[str, Any]) -> str:
+  intervals = " and ".join(str(gi) for gi in GROWTH_INTERVALS)
   lines = [
     "# One loss scale against a scale per layer group (measured)",
     "",
     f"Measured {results['date']} on {results['machine']}, JAX {jax.__version__}; same initial "
-    f"params and batches in every run; `growth_interval={GROWTH_INTERVAL}` for the one scale "
-    f"(the demo's), {LAYER_GROWTH_INTERVAL} for the per-layer scales' headroom; "
-    f"flushed shares averaged over {PROBES} sampled steps. "
+    f"params and batches in every run; one scale (`jls.dynamic_loss_scale`) and the per-layer "
+    f"scales (`jls.layer_loss_scale`) each run at `growth_interval` {intervals} (the "
+    f"`growth_interval` column); flushed shares averaged over {PROBES} sampled steps. "
     "`python benchmarks/bench_layer_scales.py` reproduces it.",
     "",
-    "| model | run | skipped steps | final scale(s) | final train loss | float32's | difference |",
-    "|---|---|---:|---|---:|---:|---:|",
+    "| model | run | growth_interval | skipped steps | final scale(s) | final train loss | "
+    "float32's | difference |",
+    "|---|---|---:|---:|---|---:|---:|---:|",
   ]
   for name, r in results["models"].items():
     ref = r["float32"]["final_loss"]
-    for kind in ("one scale", "per-layer"):
-      x = r[kind]
+    for kind, gi in _runs():
+      x = r[kind][str(gi)]
       scales = ", ".join(_pow2(s) for s in x["scales"])
       lines.append(
-        f"| {name} | {kind} | {x['skipped']} | {scales} | {x['final_loss']:.6g} | "
+        f"| {name} | {kind} | {gi} | {x['skipped']} | {scales} | {x['final_loss']:.6g} | "
         f"{ref:.6g} | {x['final_loss'] - ref:+.2e} |"
       )
-  lines += [
-    "",
-    "Share of the gradient elements flushed to zero, per layer group (group 0 nearest the "
-    "input; parameter gradients, and the float16 activations tapped in that group):",
-    "",
-    "| model | group | params, one scale | params, per-layer | activations, one scale | "
-    "activations, per-layer |",
-    "|---|---:|---:|---:|---:|---:|",
-  ]
-  for name, r in results["models"].items():
-    one, per = r["one scale"]["flushed"], r["per-layer"]["flushed"]
-    for g in one["params"]:
-      acts = [f"{d['activations'][g]:.3%}" if g in d["activations"] else "-" for d in (one, per)]
-      lines.append(
-        f"| {name} | {g} | {one['params'][g]:.3%} | {per['params'][g]:.3%} | "
-        f"{acts[0]} | {acts[1]} |"
-      )
+  head = " | ".join(f"{kind}, {gi}" for kind, gi in _runs())
+  for part, what in (
+    ("params", "parameter gradients"),
+    ("activations", "activation gradients (the float16 activations tapped in that group)"),
+  ):
+    lines += [
+      "",
+      f"Share of the {what} flushed to zero, per layer group (group 0 nearest the input; "
+      "columns: scaler, growth_interval):",
+      "",
+      f"| model | group | {head} |",
+      "|---|---:|" + "---:|" * len(_runs()),
+    ]
+    for name, r in results["models"].items():
+      flushed = [r[kind][str(gi)]["flushed"][part] for kind, gi in _runs()]
+      for g in r["one scale"][str(GROWTH_INTERVALS[0])]["flushed"]["params"]:
+        if g not in flushed[0]:
+          continue
+        cells = " | ".join(f"{f[g]:.3%}" for f in flushed)
+        lines.append(f"| {name} | {g} | {cells} |")
   return "\n".join(lines) + "\n"
 
 
@@ -398,7 +410,10 @@ def main(argv=None) -> dict[str, Any]:
     if args.models and case.name not in args.models:
       continue
     t0 = time.time()
-    results["models"][case.name] = {k: run(case, k) for k in ("float32", "one scale", "per-layer")}
+    r: dict[str, Any] = {"float32": run(case, "float32")}
+    for kind, gi in _runs():
+      r.setdefault(kind, {})[str(gi)] = run(case, kind, gi)
+    results["models"][case.name] = r
     print(case.name, f"{time.time() - t0:.0f}s", json.dumps(results["models"][case.name]))
   text = markdown(results)
   print(text)

@@ -203,3 +203,51 @@ def test_bad_boundary_and_update_arguments():
     tx.update({"a": jnp.ones(1), "b": jnp.ones(1)}, optax.EmptyState())
   with pytest.raises(ValueError, match="groups"):
     tx.update({"a": jnp.ones(1)}, tx.init({"a": jnp.ones(1), "b": jnp.ones(1)}))
+
+
+def test_inside_multi_steps_the_accumulated_step_uses_one_set_of_scales():
+  """``jls.multi_steps`` around it: micro-batch gradients are accumulated at the same scales
+  (they only change on the real step), unscaled per group once, and an overflowing
+  micro-batch skips the accumulated step without poisoning the next one."""
+  import jax_lossscale as jls
+
+  params = {"a": jnp.zeros(1, F32), "b": jnp.zeros(1, F32)}
+  inner = lg.layer_loss_scale(optax.sgd(1.0), {"a": 0, "b": 1}, init_scale=2.0**4)
+  tx = jls.multi_steps(inner, 2)
+  st = tx.init(params)
+  step = jax.jit(tx.update)
+  scales = lambda s: np.asarray(jls.get_layer_scale_state(s).scales)
+  with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps mixes int32 and floats
+    st = st._replace(
+      inner_opt_state=st.inner_opt_state._replace(scales=jnp.asarray([2.0**8, 2.0**2], F32))
+    )
+    # Two micro-batches, scaled by each group's scale: the update is their unscaled mean.
+    for a, b in [(1.0, 4.0), (3.0, 8.0)]:
+      assert np.array_equal(scales(st), [2.0**8, 2.0**2])
+      grads = {"a": jnp.asarray([a * 2.0**8], F32), "b": jnp.asarray([b * 2.0**2], F32)}
+      updates, st = step(grads, st, params)
+    np.testing.assert_array_equal(updates["a"], [-2.0])
+    np.testing.assert_array_equal(updates["b"], [-6.0])
+    # amax 2 is in [2, 4) and 6 in [4, 8): 2**(15 - 2 - 1) and 2**(15 - 3 - 1).
+    np.testing.assert_array_equal(scales(st), [2.0**12, 2.0**11])
+    # An overflowing micro-batch: the accumulated step is skipped, every scale halves.
+    for g in [jnp.inf, 1.0]:
+      updates, st = step({"a": jnp.asarray([g], F32), "b": jnp.ones(1, F32)}, st, params)
+    np.testing.assert_array_equal(updates["a"], [0.0])
+    assert int(jls.get_layer_scale_state(st).skipped_steps) == 1
+    np.testing.assert_array_equal(scales(st), [2.0**11, 2.0**10])
+    # The accumulator restarted from zeros: the next accumulated step is clean.
+    for _ in range(2):
+      updates, st = step({"a": jnp.full(1, 2.0**11, F32), "b": jnp.zeros(1, F32)}, st, params)
+    np.testing.assert_array_equal(updates["a"], [-1.0])
+    assert int(jls.get_layer_scale_state(st).skipped_steps) == 1
+
+
+def test_retry_on_overflow_does_not_take_the_layer_scales():
+  """Not integrated: ``retry_on_overflow`` looks for one ``DynamicScaleState``."""
+  import jax_lossscale as jls
+
+  tx = lg.layer_loss_scale(optax.sgd(1.0), {"a": 0})
+  st = tx.init({"a": jnp.ones(1, F32)})
+  with pytest.raises(ValueError, match="No DynamicScaleState"):
+    jls.retry_on_overflow(lambda p: jnp.sum(p["a"]), st)

@@ -270,6 +270,16 @@ def layer_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with a dynamic loss scale per layer group.
 
+  Experimental: the API and the rule may change. Not supported yet: there is no
+  ``axis_name``, so inside ``shard_map``/``pmap`` each device would decide its own skip and
+  measure its own scales (under plain ``jit``, sharded arrays included, the finiteness check
+  and the largest magnitudes are reductions over the global arrays, so the decision is
+  global). :func:`jax_lossscale.retry_on_overflow` and
+  :class:`jax_lossscale.flax.TrainState` look for one :class:`jax_lossscale.DynamicScaleState` and do not
+  work with it (the train state would add its own scale on top). Wrapping it in
+  :func:`jax_lossscale.multi_steps` works: the scales only change on the accumulated step.
+  It is measured against one scale in ``benchmarks/results/layer-scales.md``.
+
   Groups are numbered in forward order; the loss is multiplied by the last group's scale
   and :func:`layer_boundary` rescales the cotangent as the backward pass crosses from one
   group into the previous one. ``update`` unscales each gradient by its own group's scale,
@@ -291,8 +301,9 @@ def layer_loss_scale(
 
   (scales clipped to ``[min_scale, max_scale]``). A group whose gradients are all zero,
   flushed by float16 or unused, has nothing to measure: its scale doubles at each clean step
-  until it sees a non-zero gradient. So no group waits for overflows to find its scale, and overflows probe one
-  headroom, as torch's one scale does: the skips are those of one scale. The headroom is
+  until it sees a non-zero gradient. So no group waits for overflows to find its scale; the
+  overflows probe the one headroom, as torch's rule probes one scale (not fewer skips than one
+  scale at the same ``growth_interval``: see the measurements). The headroom is
   shared because an overflow cannot be blamed on one group: an inf in group ``g`` poisons
   every cotangent upstream of it.
 
