@@ -353,7 +353,7 @@ def markdown(results: dict[str, Any]) -> str:
     "",
     f"Measured {results['date']} on {results['machine']}, JAX {jax.__version__}; same initial "
     f"params and batches in every run; one scale (`jls.dynamic_loss_scale`) and the per-layer "
-    f"scales (`jls.layer_loss_scale`) each run at `growth_interval` {intervals} (the "
+    f"scales (`jax_lossscale._scaler._groups.layer_loss_scale`, private) each run at `growth_interval` {intervals} (the "
     f"`growth_interval` column); flushed shares averaged over {PROBES} sampled steps. "
     "`python benchmarks/bench_layer_scales.py` reproduces it.",
     "",

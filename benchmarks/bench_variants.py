@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
+from jax_lossscale._scaler import _groups
 
 LEARNING_RATE = 1e-4
 INIT_SCALE = 2.0**16
@@ -178,27 +179,26 @@ def jls_retry(loss_fn, make_tx):
 
 @variant(
   "jls_layer_scales",
-  "jax_lossscale.layer_loss_scale, one group (the per-group rule's cost; no boundaries)",
-  requires=("jax_lossscale:layer_loss_scale",),
+  "per-layer-group scaler (private, not shipped), one group: the per-group rule's cost",
 )
 def jls_layer_scales(loss_fn, make_tx):
   # One group: the benchmark models have no boundaries; the update's cost (a scale per
   # leaf, the statistics, the rule) is the per-group scaler's, whatever the group count.
-  stx = jls.layer_loss_scale(make_tx(), lambda p: jax.tree_util.tree_map(lambda _: 0, p))
+  stx = _groups.layer_loss_scale(make_tx(), lambda p: jax.tree_util.tree_map(lambda _: 0, p))
 
   def step(state, x, y):
     params, opt_state = state
 
     def scaled(p):
       loss = loss_fn(p, x, y)
-      return jls.scale_loss_by_layers(loss, opt_state), loss
+      return _groups.scale_loss_by_layers(loss, opt_state), loss
 
     grads, loss = jax.grad(scaled, has_aux=True)(params)
     updates, opt_state = stx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
   def describe(state):
-    s = jls.get_layer_scale_state(state[1])
+    s = _groups.get_layer_scale_state(state[1])
     return {"scale": float(s.scales[-1]), "skipped_steps": int(s.skipped_steps)}
 
   return Variant(lambda p: (p, stx.init(p)), step, describe)

@@ -3,8 +3,7 @@
 The names a user needs first are the transformations (:func:`dynamic_loss_scale`,
 :func:`static_loss_scale`, :func:`no_loss_scale`), :func:`scale_loss` and
 :func:`metrics`, and :func:`autocast` (torch's autocast policy for any JAX
-function, with :func:`float32` to keep a region in float32). Opt-in, a scale per layer
-group: :func:`layer_loss_scale` with :func:`layer_boundary`. The scale rule's building blocks (:func:`update_scale`,
+function, with :func:`float32` to keep a region in float32). The scale rule's building blocks (:func:`update_scale`,
 :func:`unscale_and_check`, :func:`all_finite`, :func:`scale_product`,
 :func:`fp16_roundtrip`) stay at the top level too. Interop and tooling live in
 namespaces: :mod:`jax_lossscale.flax` (the TrainState field; needs Flax),
@@ -26,11 +25,6 @@ from jax_lossscale._autocast import autocast_op as autocast_op
 from jax_lossscale._autocast import autocast_policy as autocast_policy
 from jax_lossscale._autocast import float32 as float32
 from jax_lossscale._scaler._accumulation import multi_steps as multi_steps
-from jax_lossscale._scaler._groups import LayerScaleState as LayerScaleState
-from jax_lossscale._scaler._groups import get_layer_scale_state as get_layer_scale_state
-from jax_lossscale._scaler._groups import layer_boundary as layer_boundary
-from jax_lossscale._scaler._groups import layer_loss_scale as layer_loss_scale
-from jax_lossscale._scaler._groups import scale_loss_by_layers as scale_loss_by_layers
 from jax_lossscale._scaler._guard import LossScaleError as LossScaleError
 from jax_lossscale._scaler._guard import check_skips as check_skips
 from jax_lossscale._scaler._metrics import metrics as metrics
@@ -60,7 +54,6 @@ __all__ = (
   "ClosedOverTracerError",
   "DynamicScaleConfig",
   "DynamicScaleState",
-  "LayerScaleState",
   "LossScaleError",
   "LossScaleState",
   "LossScaleWarning",
@@ -75,16 +68,12 @@ __all__ = (
   "float32",
   "fp16_roundtrip",
   "get_inner_state",
-  "get_layer_scale_state",
   "get_scale_state",
-  "layer_boundary",
-  "layer_loss_scale",
   "metrics",
   "multi_steps",
   "no_loss_scale",
   "retry_on_overflow",
   "scale_loss",
-  "scale_loss_by_layers",
   "scale_product",
   "static_loss_scale",
   "unscale_and_check",

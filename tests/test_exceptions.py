@@ -135,21 +135,6 @@ CASES = {
     lambda: jflax.TrainState.create(apply_fn=None, params=G, tx=jls.dynamic_loss_scale(SGD)),
     "dynamic_scale|already holds",
   ),
-  "layer_loss_scale(init_scale)": (
-    lambda: jls.layer_loss_scale(SGD, {"w": 0}, init_scale="8"),
-    lambda: jls.layer_loss_scale(SGD, {"w": 0}, init_scale=3.0),
-    "init_scale",
-  ),
-  "layer_loss_scale(groups)": (
-    lambda: jls.layer_loss_scale(SGD, {"w": 0.5}),
-    lambda: jls.layer_loss_scale(SGD, {"w": -1}),
-    "groups",
-  ),
-  "layer_boundary(group)": (
-    lambda: jls.layer_boundary(G["w"], jnp.ones(2), 0.0),
-    lambda: jls.layer_boundary(G["w"], jnp.ones(2), 1),
-    "group",
-  ),
 }
 
 

@@ -216,7 +216,7 @@ def test_inside_multi_steps_the_accumulated_step_uses_one_set_of_scales():
   tx = jls.multi_steps(inner, 2)
   st = tx.init(params)
   step = jax.jit(tx.update)
-  scales = lambda s: np.asarray(jls.get_layer_scale_state(s).scales)
+  scales = lambda s: np.asarray(lg.get_layer_scale_state(s).scales)
   with jax.numpy_dtype_promotion("standard"):  # optax.MultiSteps mixes int32 and floats
     st = st._replace(
       inner_opt_state=st.inner_opt_state._replace(scales=jnp.asarray([2.0**8, 2.0**2], F32))
@@ -234,13 +234,13 @@ def test_inside_multi_steps_the_accumulated_step_uses_one_set_of_scales():
     for g in [jnp.inf, 1.0]:
       updates, st = step({"a": jnp.asarray([g], F32), "b": jnp.ones(1, F32)}, st, params)
     np.testing.assert_array_equal(updates["a"], [0.0])
-    assert int(jls.get_layer_scale_state(st).skipped_steps) == 1
+    assert int(lg.get_layer_scale_state(st).skipped_steps) == 1
     np.testing.assert_array_equal(scales(st), [2.0**11, 2.0**10])
     # The accumulator restarted from zeros: the next accumulated step is clean.
     for _ in range(2):
       updates, st = step({"a": jnp.full(1, 2.0**11, F32), "b": jnp.zeros(1, F32)}, st, params)
     np.testing.assert_array_equal(updates["a"], [-1.0])
-    assert int(jls.get_layer_scale_state(st).skipped_steps) == 1
+    assert int(lg.get_layer_scale_state(st).skipped_steps) == 1
 
 
 def test_retry_on_overflow_does_not_take_the_layer_scales():

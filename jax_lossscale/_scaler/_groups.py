@@ -79,9 +79,9 @@ def get_layer_scale_state(tree: Any) -> LayerScaleState:
 
   Examples:
     >>> import jax.numpy as jnp, optax
-    >>> import jax_lossscale as jls
-    >>> tx = optax.chain(optax.clip(1.0), jls.layer_loss_scale(optax.sgd(1.0), [0, 1]))
-    >>> jls.get_layer_scale_state(tx.init([jnp.zeros(2), jnp.zeros(2)])).scales
+    >>> from jax_lossscale._scaler import _groups
+    >>> tx = optax.chain(optax.clip(1.0), _groups.layer_loss_scale(optax.sgd(1.0), [0, 1]))
+    >>> _groups.get_layer_scale_state(tx.init([jnp.zeros(2), jnp.zeros(2)])).scales
     Array([65536., 65536.], dtype=float32)
 
   Raises:
@@ -172,9 +172,9 @@ def layer_boundary(x: PyTree, state: Any, group: int) -> PyTree:
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> import jax_lossscale as jls
+    >>> from jax_lossscale._scaler import _groups
     >>> scales = jnp.array([2.0**20, 2.0**4])   # group 0's scale, group 1's
-    >>> f = lambda x: jnp.sum(jls.layer_boundary(x, scales, 0))
+    >>> f = lambda x: jnp.sum(_groups.layer_boundary(x, scales, 0))
     >>> jax.grad(f)(jnp.ones(2, jnp.float16))   # times 2**16, exactly
     Array([inf, inf], dtype=float16)
     >>> jax.grad(f)(jnp.ones(2, jnp.float32))
@@ -211,8 +211,8 @@ def scale_loss_by_layers(loss: jax.Array, state: Any) -> jax.Array:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> import jax_lossscale as jls
-    >>> jls.scale_loss_by_layers(jnp.float16(2.0), jnp.array([4.0, 65536.0]))
+    >>> from jax_lossscale._scaler import _groups
+    >>> _groups.scale_loss_by_layers(jnp.float16(2.0), jnp.array([4.0, 65536.0]))
     Array(131072., dtype=float32)
   """
   scales = _scales_of(state)
@@ -331,14 +331,14 @@ def layer_loss_scale(
     its own group's scale and is unscaled by it; the next scales come from the gradients.
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> import jax_lossscale as jls
+    >>> from jax_lossscale._scaler import _groups
     >>> params = {"w0": jnp.ones(2), "w1": jnp.ones(2)}
-    >>> tx = jls.layer_loss_scale(optax.sgd(1.0), {"w0": 0, "w1": 1})
+    >>> tx = _groups.layer_loss_scale(optax.sgd(1.0), {"w0": 0, "w1": 1})
     >>> opt_state = tx.init(params)
     >>> def loss_fn(p):
-    ...   h = jls.layer_boundary(1e-9 * jnp.sum(p["w0"]), opt_state, 0)  # leaves group 0
+    ...   h = _groups.layer_boundary(1e-9 * jnp.sum(p["w0"]), opt_state, 0)  # leaves group 0
     ...   return h * jnp.sum(p["w1"])
-    >>> grads = jax.grad(lambda p: jls.scale_loss_by_layers(loss_fn(p), opt_state))(params)
+    >>> grads = jax.grad(lambda p: _groups.scale_loss_by_layers(loss_fn(p), opt_state))(params)
     >>> updates, opt_state = tx.update(grads, opt_state, params)
     >>> updates["w1"]                     # -(2e-9): unscaled by group 1's scale
     Array([-2.e-09, -2.e-09], dtype=float32)
