@@ -39,6 +39,7 @@ from jax_lossscale._scaler._skip import skip_step
 from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import scale_states
+from jax_lossscale._scaler._transform import loss_and_aux
 from jax_lossscale._scaler._transform import scale_loss
 from jax_lossscale._typing import ArrayLike
 from jax_lossscale._typing import AxisName
@@ -121,15 +122,7 @@ def value_and_grad(
   dynamic_scale = get_scale_state(scale)
 
   def scaled_fun(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-          f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
-        )
-      loss, aux = out
-    else:
-      loss, aux = out, None
+    loss, aux = loss_and_aux(fun(*args, **kwargs), has_aux)
     return scale_loss(loss, dynamic_scale), (loss, aux)
 
   grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)

@@ -45,6 +45,7 @@ from jax_lossscale._scaler._state import check_int
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import is_scale_state
 from jax_lossscale._scaler._state import scale_states
+from jax_lossscale._scaler._transform import loss_and_aux
 from jax_lossscale._scaler._transform import scale_loss
 from jax_lossscale._typing import AxisName
 from jax_lossscale._typing import ScaleSource
@@ -258,15 +259,7 @@ def retry_on_overflow(
   found = get_scale_state(state)
 
   def scaled_fun(scale, *args, **kwargs):
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-          f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
-        )
-      loss, aux = out
-    else:
-      loss, aux = out, None
+    loss, aux = loss_and_aux(fun(*args, **kwargs), has_aux)
     return scale_loss(loss, scale), (loss, aux)
 
   shifted = (argnums + 1) if isinstance(argnums, int) else tuple(a + 1 for a in argnums)

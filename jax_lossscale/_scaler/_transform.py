@@ -310,6 +310,24 @@ def get_inner_state(opt_state: optax.OptState) -> optax.OptState:
   return found[0].inner_state
 
 
+def loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  """A loss function's output as ``(loss, aux)``: ``(out, None)``, or the pair with ``has_aux``.
+
+  The one reader of ``has_aux`` for the entry points that differentiate a scaled loss
+  (``jax_lossscale.flax.value_and_grad``, :func:`jax_lossscale.retry_on_overflow`).
+
+  Raises:
+    TypeError: with ``has_aux``, ``out`` is not a pair.
+  """
+  if not has_aux:
+    return out, None
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(
+      f"with has_aux=True, fun must return a pair (loss, aux), got {type(out).__name__}."
+    )
+  return out
+
+
 def _scale_one(path: str, loss: Any, scale: jax.Array) -> jax.Array:
   """One float leaf of a loss tree times the scale, in at least float32."""
   loss = jnp.asarray(loss)
