@@ -84,16 +84,19 @@ def _digits():
   return jnp.asarray(x_train), jnp.asarray(y_train)
 
 
-def mlp_case(name, label, steps, batch_size=1024, hidden=64, depth=4):
-  x_train, y_train = _digits()
-  sizes = [x_train.shape[1]] + [hidden] * depth + [10]
+def _dense_params(sizes):
+  """``layer_<i>`` weights (He-initialised, key 0) and zero biases for consecutive ``sizes``."""
   key = jax.random.PRNGKey(0)
   params = {}
   for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
     key, sub = jax.random.split(key)
     w = np.sqrt(2.0 / fan_in) * jax.random.normal(sub, (fan_in, fan_out), jnp.float32)
     params[f"layer_{i}"] = {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
-  n = len(sizes) - 1
+  return params
+
+
+def _sampler(x_train, y_train, batch_size):
+  """``step -> (x, y)``: a batch drawn with replacement, the same at every run (key 1)."""
   batch_key = jax.random.PRNGKey(1)
 
   def batch(step):
@@ -101,6 +104,16 @@ def mlp_case(name, label, steps, batch_size=1024, hidden=64, depth=4):
       jax.random.fold_in(batch_key, step), (batch_size,), 0, x_train.shape[0]
     )
     return x_train[idx], y_train[idx]
+
+  return batch
+
+
+def mlp_case(name, label, steps, batch_size=1024, hidden=64, depth=4):
+  x_train, y_train = _digits()
+  sizes = [x_train.shape[1]] + [hidden] * depth + [10]
+  params = _dense_params(sizes)
+  n = len(sizes) - 1
+  batch = _sampler(x_train, y_train, batch_size)
 
   def loss(params, x, y, dtype, mark):
     h = x.astype(dtype)
@@ -132,20 +145,9 @@ def branch_case(steps, gain_exponent=-20, batch_size=1024, hidden=64):
   are ``2**-gain_exponent`` times smaller than the other layers'."""
   x_train, y_train = _digits()
   sizes = [x_train.shape[1], hidden, hidden, 10]
-  key = jax.random.PRNGKey(0)
-  params = {}
-  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-    key, sub = jax.random.split(key)
-    w = np.sqrt(2.0 / fan_in) * jax.random.normal(sub, (fan_in, fan_out), jnp.float32)
-    params[f"layer_{i}"] = {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
+  params = _dense_params(sizes)
   gain = np.float32(2.0**gain_exponent)
-  batch_key = jax.random.PRNGKey(1)
-
-  def batch(step):
-    idx = jax.random.randint(
-      jax.random.fold_in(batch_key, step), (batch_size,), 0, x_train.shape[0]
-    )
-    return x_train[idx], y_train[idx]
+  batch = _sampler(x_train, y_train, batch_size)
 
   def dense(h, layer, dtype):
     return h.astype(dtype) @ layer["w"].astype(dtype) + layer["b"].astype(dtype)
