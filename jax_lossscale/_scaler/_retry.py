@@ -16,8 +16,10 @@ at ``min_scale``, never for a static scaler): at the same scale a pure
 function gives the same overflowing gradients again.
 
 The first attempt is computed outside the loop, so a step that does not
-overflow is the plain step plus one loop test (which on a GPU is read by the
-host: see the guide). ``max_retries=0`` builds no loop at all.
+overflow is the plain step plus the loop's test: a second finiteness check of
+the gradients (the optimizer's ``update`` checks them again) and a barrier
+between the backward pass and the update (on a GPU, the host reads the test:
+see the guide). ``max_retries=0`` builds no loop at all.
 
 Checked by ``tests/test_retry.py``.
 """
@@ -134,8 +136,6 @@ def replace_scale_state(tree: Any, old: DynamicScaleState, new: DynamicScaleStat
   untouched, bit for bit, when the scale did not change. ``new``'s leaves are
   wrapped as the replaced state's are (an ``nnx.Optimizer``'s variables).
   """
-  if is_scale_state(tree):
-    return _like(new, tree)
   changed = new.scale != old.scale
   ratio = new.scale / old.scale
 
