@@ -10,6 +10,8 @@ Equinox, ``shard_map`` with ``axis_name``, and autocast.
 
 from __future__ import annotations
 
+import contextlib
+
 from flax import nnx
 from helpers import import_optional
 from helpers import standard_promotion
@@ -547,3 +549,48 @@ def test_retries_equal_torch_gradscaler_fed_each_overflowing_batch_again():
     total_retries += t_retries
   assert total_retries >= 5  # natural overflows after growth, and forced ones
   assert any(r == max_retries for r, *_ in torch_trace)  # a forced inf outlasts the retries
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+@pytest.mark.parametrize("wrapper", ["dynamic", "multi_steps"])
+def test_sharded_params_retry_as_unsharded_ones_and_keep_their_sharding(axis_type, wrapper):
+  """Under plain jit on a mesh (Explicit and Auto axes): the same bits as on one device."""
+  if jax.device_count() < 8:
+    pytest.skip("needs eight devices")
+  from jax.sharding import AxisType
+  from jax.sharding import NamedSharding
+
+  kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(kind,))
+  tiny = float(np.finfo(np.float32).smallest_subnormal)
+  w = jnp.ones(16).at[3].set(tiny).at[12].set(-0.0)  # in the shards of devices 1 and 6
+  c = jnp.ones(16).at[5].set(4.0)  # device 2's shard overflows down to 8192
+  inner = optax.sgd(0.5)
+  tx = (
+    jls.dynamic_loss_scale(inner)
+    if wrapper == "dynamic"
+    else jls.multi_steps(jls.dynamic_loss_scale(inner), 2)
+  )
+
+  def run(w, c):
+    @jax.jit
+    def step(w, state):
+      state, out = jls.retry_on_overflow(linear_loss, state)(w, c)
+      with standard_promotion():  # optax.MultiSteps mixes int32 and floats
+        updates, state = tx.update(out.grads, state, w)
+      return optax.apply_updates(w, updates), state, out.retries
+
+    state, retries = tx.init(w), []
+    for _ in range(2):
+      w, state, r = step(w, state)
+      retries.append(int(r))
+    return w, state, retries
+
+  ref_w, ref_state, ref_retries = run(w, c)
+  shard = NamedSharding(mesh, P("d"))
+  ctx = jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext()
+  with ctx:
+    new_w, state, retries = run(jax.device_put(w, shard), jax.device_put(c, shard))
+  assert retries == ref_retries == [3, 0]
+  assert_bits_equal((new_w, state), (ref_w, ref_state))
+  assert new_w.sharding.spec == P("d")
