@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 import jax_lossscale as jls
-from jax_lossscale._scaler import _groups
+import layer_scales as _groups
 
 LEARNING_RATE = 1e-4
 INIT_SCALE = 2.0**16

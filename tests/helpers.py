@@ -13,16 +13,29 @@ before any test module, and so before this one, is imported).
   returns its input, for proving that code does not wait for the device (see
   ``tests/test_entry_points_async.py``).
 * :func:`has_cuda`: whether JAX sees a CUDA device.
+* :func:`load_benchmark_module`: a module of ``benchmarks/`` (with that folder on
+  ``sys.path``, as its scripts run), for code that lives beside its benchmark.
 """
 
 import importlib
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+
+BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_benchmark_module(name: str):
+  """Imports ``benchmarks/<name>.py``, putting ``benchmarks/`` on ``sys.path`` once."""
+  if BENCHMARKS_DIR not in sys.path:
+    sys.path.insert(0, BENCHMARKS_DIR)
+  return importlib.import_module(name)
 
 
 def has_cuda() -> bool:
