@@ -46,11 +46,11 @@ sys.path.insert(0, _HERE)
 import bench_models  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import layer_scales as _groups  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jax_lossscale as jls  # noqa: E402
-import layer_scales as _groups  # noqa: E402
 
 # Every float16 scaler runs at each of these: the demo's 100 and torch's default 2000 (for
 # the per-layer scaler the interval times the probing of its one shared headroom).

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale._scaler._find import find_one
 from jax_lossscale._scaler._numerics import combine_flags
 from jax_lossscale._scaler._numerics import compute_dtype
 from jax_lossscale._scaler._numerics import is_float
@@ -92,16 +93,11 @@ def get_layer_scale_state(tree: Any) -> LayerScaleState:
   Raises:
     ValueError: if ``tree`` holds none, or more than one.
   """
-  if _is_layer_state(tree):
-    return tree
-  found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_layer_state)]
-  found = [x for x in found if _is_layer_state(x)]
-  if len(found) != 1:
-    raise ValueError(
-      f"state must hold exactly one LayerScaleState (made by layer_loss_scale), found "
-      f"{len(found)} in {type(tree).__name__}."
-    )
-  return found[0]
+  error = lambda found: ValueError(
+    f"state must hold exactly one LayerScaleState (made by layer_loss_scale), found "
+    f"{len(found)} in {type(tree).__name__}."
+  )
+  return find_one(tree, _is_layer_state, error)
 
 
 def _scales_of(state: Any) -> jax.Array:

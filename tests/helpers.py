@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-
-BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+BENCHMARKS_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"
+)
 
 
 def load_benchmark_module(name: str):
