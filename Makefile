@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-fast test-compat demo bench bench-quick gpu-check gpu-bench gpu-bench-retry mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-compat demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"

@@ -46,11 +46,11 @@ sys.path.insert(0, _HERE)
 import bench_models  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import layer_scales as _groups  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jax_lossscale as jls  # noqa: E402
-from jax_lossscale._scaler import _groups  # noqa: E402
 
 # Every float16 scaler runs at each of these: the demo's 100 and torch's default 2000 (for
 # the per-layer scaler the interval times the probing of its one shared headroom).
@@ -355,7 +355,7 @@ def markdown(results: dict[str, Any]) -> str:
     "",
     f"Measured {results['date']} on {results['machine']}, JAX {jax.__version__}; same initial "
     f"params and batches in every run; one scale (`jls.dynamic_loss_scale`) and the per-layer "
-    f"scales (`jax_lossscale._scaler._groups.layer_loss_scale`, private) each run at `growth_interval` {intervals} (the "
+    f"scales (`benchmarks/layer_scales.py`, outside the package) each run at `growth_interval` {intervals} (the "
     f"`growth_interval` column); flushed shares averaged over {PROBES} sampled steps. "
     "`python benchmarks/bench_layer_scales.py` reproduces it.",
     "",

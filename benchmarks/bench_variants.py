@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import layer_scales as _groups
 import numpy as np
 import optax
 
 import jax_lossscale as jls
-from jax_lossscale._scaler import _groups
 
 LEARNING_RATE = 1e-4
 INIT_SCALE = 2.0**16

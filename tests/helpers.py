@@ -13,16 +13,50 @@ before any test module, and so before this one, is imported).
   returns its input, for proving that code does not wait for the device (see
   ``tests/test_entry_points_async.py``).
 * :func:`has_cuda`: whether JAX sees a CUDA device.
+* :func:`make_nnx_optimizer`, :func:`nnx_update`: ``nnx.Optimizer`` built and stepped
+  the same way on every Flax version the package supports.
+* :func:`load_benchmark_module`: a module of ``benchmarks/`` (with that folder on
+  ``sys.path``, as its scripts run), for code that lives beside its benchmark.
 """
 
 import importlib
+import inspect
 import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+BENCHMARKS_DIR = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"
+)
+
+
+def load_benchmark_module(name: str):
+  """Imports ``benchmarks/<name>.py``, putting ``benchmarks/`` on ``sys.path`` once."""
+  if BENCHMARKS_DIR not in sys.path:
+    sys.path.insert(0, BENCHMARKS_DIR)
+  return importlib.import_module(name)
+
+
+def make_nnx_optimizer(model, tx):
+  """``nnx.Optimizer(model, tx, wrt=nnx.Param)``; ``wrt`` is required from Flax 0.11 on."""
+  from flax import nnx
+
+  if "wrt" in inspect.signature(nnx.Optimizer.__init__).parameters:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return nnx.Optimizer(model, tx)  # Flax < 0.11
+
+
+def nnx_update(optimizer, model, grads):
+  """``optimizer.update(model, grads)`` (Flax >= 0.11) or ``update(grads)``."""
+  params = inspect.signature(optimizer.update).parameters.values()
+  if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2:
+    return optimizer.update(model, grads)
+  return optimizer.update(grads)
 
 
 def has_cuda() -> bool:

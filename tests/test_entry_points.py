@@ -9,14 +9,14 @@ The entry points: the Optax wrappers (``dynamic_loss_scale``,
 """
 
 from flax import nnx
+from helpers import make_nnx_optimizer as make_optimizer
+from helpers import nnx_update as _update
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_nnx import _update
-from test_nnx import make_optimizer
 
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState

@@ -7,6 +7,8 @@ only that device skips, so the test can tell the two apart.
 """
 
 from flax import nnx
+from helpers import make_nnx_optimizer as make_optimizer
+from helpers import nnx_update as _update
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,6 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from test_nnx import _update
-from test_nnx import make_optimizer
 
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._integrations._fp8 import FP8_META
+from jax_lossscale._scaler._fp8 import FP8_META
 from jax_lossscale.flax import TrainState
 
 SCALE = 2.0**10

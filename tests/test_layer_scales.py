@@ -1,13 +1,21 @@
-"""A loss scale per layer group: the boundary, the per-group unscaling, the rule, the skip."""
+"""A loss scale per layer group: the boundary, the per-group unscaling, the rule, the skip.
 
+The scaler is measured and not shipped: it lives beside its benchmark, in
+``benchmarks/layer_scales.py``, outside the package.
+"""
+
+import doctest
+
+from helpers import load_benchmark_module
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from jax_lossscale._scaler import _groups as lg
 from jax_lossscale.diagnostics import check_underflow
+
+lg = load_benchmark_module("layer_scales")
 
 F16, F32 = jnp.float16, jnp.float32
 
@@ -251,3 +259,8 @@ def test_retry_on_overflow_does_not_take_the_layer_scales():
   st = tx.init({"a": jnp.ones(1, F32)})
   with pytest.raises(ValueError, match="No DynamicScaleState"):
     jls.retry_on_overflow(lambda p: jnp.sum(p["a"]), st)
+
+
+def test_the_module_examples_run():
+  result = doctest.testmod(lg, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted >= 4 and result.failed == 0, result

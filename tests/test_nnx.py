@@ -1,30 +1,14 @@
 """Flax NNX: a stock ``nnx.Optimizer`` around ``dynamic_loss_scale``."""
 
-import inspect
-
 from flax import nnx
+from helpers import make_nnx_optimizer as make_optimizer
+from helpers import nnx_update as _update
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jax_lossscale as jls
-
-
-def make_optimizer(model, tx):
-  """``nnx.Optimizer(model, tx, wrt=nnx.Param)``; ``wrt`` is required from Flax 0.11 on."""
-  if "wrt" in inspect.signature(nnx.Optimizer.__init__).parameters:
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
-  return nnx.Optimizer(model, tx)  # Flax < 0.11
-
-
-def _update(optimizer, model, grads):
-  """``optimizer.update(model, grads)`` (Flax >= 0.11) or ``update(grads)``."""
-  params = inspect.signature(optimizer.update).parameters.values()
-  if sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2:
-    return optimizer.update(model, grads)
-  return optimizer.update(grads)
-
 
 #: ``nnx.as_pure`` (Flax >= 0.12.7), ``nnx.pure`` before it: the values out of a state.
 _as_pure = getattr(nnx, "as_pure", None) or nnx.pure

@@ -81,10 +81,10 @@ def test_scale_of_is_float32():
 
 
 def test_the_fp8_layout_is_split_and_joined_in_one_place():
-  from jax_lossscale._integrations._fp8 import FP8_META
-  from jax_lossscale._integrations._fp8 import has_fp8_meta
-  from jax_lossscale._integrations._fp8 import join_variables
-  from jax_lossscale._integrations._fp8 import split_variables
+  from jax_lossscale._scaler._fp8 import FP8_META
+  from jax_lossscale._scaler._fp8 import has_fp8_meta
+  from jax_lossscale._scaler._fp8 import join_variables
+  from jax_lossscale._scaler._fp8 import split_variables
 
   p, m = {"w": jnp.ones(2)}, {"amax": jnp.zeros(3)}
   variables = {"params": p, FP8_META: m}

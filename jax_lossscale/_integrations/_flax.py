@@ -19,10 +19,10 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without flax
     "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
   ) from e
 
-from jax_lossscale._integrations._fp8 import gradient_leaves
-from jax_lossscale._integrations._fp8 import join_variables
-from jax_lossscale._integrations._fp8 import map_gradients
-from jax_lossscale._integrations._fp8 import split_variables
+from jax_lossscale._scaler._fp8 import gradient_leaves
+from jax_lossscale._scaler._fp8 import join_variables
+from jax_lossscale._scaler._fp8 import map_gradients
+from jax_lossscale._scaler._fp8 import split_variables
 from jax_lossscale._scaler._numerics import all_finite
 from jax_lossscale._scaler._numerics import compute_dtype
 from jax_lossscale._scaler._numerics import is_float

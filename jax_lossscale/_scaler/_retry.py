@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._integrations._fp8 import gradient_leaves
+from jax_lossscale._scaler._fp8 import gradient_leaves
 from jax_lossscale._scaler._numerics import refuse_complex
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._rule import update_scale

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale._scaler._find import find_all
+from jax_lossscale._scaler._find import find_one
 from jax_lossscale._typing import ScaleSource
 
 _F32 = np.finfo(np.float32)
@@ -249,8 +251,7 @@ def is_scale_state(x: Any) -> bool:
 
 def scale_states(tree: Any) -> list[tuple[str, DynamicScaleState]]:
   """Every :class:`DynamicScaleState` in ``tree`` with its ``keystr`` path, in tree order."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scale_state)
-  return [(jax.tree_util.keystr(path), x) for path, x in flat if is_scale_state(x)]
+  return find_all(tree, is_scale_state)
 
 
 def get_scale_state(tree: ScaleSource) -> DynamicScaleState:
@@ -277,18 +278,17 @@ def get_scale_state(tree: ScaleSource) -> DynamicScaleState:
     >>> jls.get_scale_state(tx.init({"w": jnp.zeros(2)})).scale
     Array(65536., dtype=float32)
   """
-  if is_scale_state(tree):
-    return tree
-  found = scale_states(tree)
-  if len(found) == 1:
-    return found[0][1]
+  return find_one(tree, is_scale_state, lambda found: _scale_state_error(tree, found))
+
+
+def _scale_state_error(tree: Any, found: list[tuple[str, Any]]) -> ValueError:
   if not found:
-    raise ValueError(
+    return ValueError(
       "No DynamicScaleState found in the given tree "
       f"({type(tree).__name__}); was the optimizer built with "
       "jax_lossscale.dynamic_loss_scale?"
     )
-  raise ValueError(
+  return ValueError(
     f"state holds {len(found)} loss scalers (at "
     f"{', '.join(p or '<root>' for p, _ in found)}): which one is meant is ambiguous. For "
     "several param groups or optimizers that share one scale (torch's scaler.step(opt0); "

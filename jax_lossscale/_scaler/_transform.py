@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_lossscale._integrations._fp8 import FP8_META
-from jax_lossscale._integrations._fp8 import has_fp8_meta
+from jax_lossscale._scaler._find import find_one
+from jax_lossscale._scaler._fp8 import FP8_META
+from jax_lossscale._scaler._fp8 import has_fp8_meta
 from jax_lossscale._scaler._numerics import compute_dtype
 from jax_lossscale._scaler._numerics import is_float
 from jax_lossscale._scaler._numerics import promote_floats
@@ -300,14 +301,11 @@ def get_inner_state(opt_state: optax.OptState) -> optax.OptState:
     >>> type(jls.get_inner_state(opt_state)[0]).__name__
     'ScaleByAdamState'
   """
-  is_ls = lambda x: isinstance(x, LossScaleState)
-  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ls) if is_ls(x)]
-  if len(found) != 1:
-    raise ValueError(
-      f"opt_state must hold exactly one LossScaleState, found {len(found)} in "
-      f"{type(opt_state).__name__}."
-    )
-  return found[0].inner_state
+  error = lambda found: ValueError(
+    f"opt_state must hold exactly one LossScaleState, found {len(found)} in "
+    f"{type(opt_state).__name__}."
+  )
+  return find_one(opt_state, lambda x: isinstance(x, LossScaleState), error).inner_state
 
 
 def loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:

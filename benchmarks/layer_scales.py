@@ -1,5 +1,9 @@
 """A loss scale per layer group: the boundary marker, the state, the rule, the Optax wrapper.
 
+Measured and not shipped (``docs/guides/layer-scales.md`` gives the numbers and the verdict):
+this module lives beside its benchmark (``bench_layer_scales.py``), outside the package, and
+builds on the package's private pieces. ``tests/test_layer_scales.py`` tests it.
+
 One loss scale is bounded by the largest gradient of the model, so the layers whose gradients
 are small still flush to zero in float16. Here the layers are split into groups, numbered in
 forward order (group 0 nearest the input, the last group nearest the loss). The loss is
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale._scaler._find import find_one
 from jax_lossscale._scaler._numerics import combine_flags
 from jax_lossscale._scaler._numerics import compute_dtype
 from jax_lossscale._scaler._numerics import is_float
@@ -36,6 +41,7 @@ from jax_lossscale._scaler._state import DEFAULT_CONFIG
 from jax_lossscale._scaler._state import check_growth_interval
 from jax_lossscale._scaler._state import check_int
 from jax_lossscale._scaler._state import check_positive_finite
+from jax_lossscale._scaler._transform import _cast_updates
 from jax_lossscale._typing import PyTree
 
 # float16's largest finite value is in [2**15, 2**16): a gradient whose largest magnitude is
@@ -79,7 +85,7 @@ def get_layer_scale_state(tree: Any) -> LayerScaleState:
 
   Examples:
     >>> import jax.numpy as jnp, optax
-    >>> from jax_lossscale._scaler import _groups
+    >>> import layer_scales as _groups
     >>> tx = optax.chain(optax.clip(1.0), _groups.layer_loss_scale(optax.sgd(1.0), [0, 1]))
     >>> _groups.get_layer_scale_state(tx.init([jnp.zeros(2), jnp.zeros(2)])).scales
     Array([65536., 65536.], dtype=float32)
@@ -87,16 +93,11 @@ def get_layer_scale_state(tree: Any) -> LayerScaleState:
   Raises:
     ValueError: if ``tree`` holds none, or more than one.
   """
-  if _is_layer_state(tree):
-    return tree
-  found = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_layer_state)]
-  found = [x for x in found if _is_layer_state(x)]
-  if len(found) != 1:
-    raise ValueError(
-      f"state must hold exactly one LayerScaleState (made by layer_loss_scale), found "
-      f"{len(found)} in {type(tree).__name__}."
-    )
-  return found[0]
+  error = lambda found: ValueError(
+    f"state must hold exactly one LayerScaleState (made by layer_loss_scale), found "
+    f"{len(found)} in {type(tree).__name__}."
+  )
+  return find_one(tree, _is_layer_state, error)
 
 
 def _scales_of(state: Any) -> jax.Array:
@@ -172,7 +173,7 @@ def layer_boundary(x: PyTree, state: Any, group: int) -> PyTree:
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from jax_lossscale._scaler import _groups
+    >>> import layer_scales as _groups
     >>> scales = jnp.array([2.0**20, 2.0**4])   # group 0's scale, group 1's
     >>> f = lambda x: jnp.sum(_groups.layer_boundary(x, scales, 0))
     >>> jax.grad(f)(jnp.ones(2, jnp.float16))   # times 2**16, exactly
@@ -211,7 +212,7 @@ def scale_loss_by_layers(loss: jax.Array, state: Any) -> jax.Array:
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from jax_lossscale._scaler import _groups
+    >>> import layer_scales as _groups
     >>> _groups.scale_loss_by_layers(jnp.float16(2.0), jnp.array([4.0, 65536.0]))
     Array(131072., dtype=float32)
   """
@@ -331,7 +332,7 @@ def layer_loss_scale(
     its own group's scale and is unscaled by it; the next scales come from the gradients.
 
     >>> import jax, jax.numpy as jnp, optax
-    >>> from jax_lossscale._scaler import _groups
+    >>> import layer_scales as _groups
     >>> params = {"w0": jnp.ones(2), "w1": jnp.ones(2)}
     >>> tx = _groups.layer_loss_scale(optax.sgd(1.0), {"w0": 0, "w1": 1})
     >>> opt_state = tx.init(params)
@@ -411,8 +412,6 @@ def layer_loss_scale(
     zero = jnp.zeros([], jnp.float32)
     amax = jnp.stack([jnp.max(jnp.stack(a)) if a else zero for a in amaxes])
     grads = jax.tree_util.tree_unflatten(treedef, unscaled)
-
-    from jax_lossscale._scaler._transform import _cast_updates  # no import cycle
 
     new_updates, new_inner = inner.update(
       grads, state.inner_state, promote_floats(params), **extra_args
