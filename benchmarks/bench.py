@@ -46,24 +46,20 @@ import sys
 import time
 from typing import Any
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))  # jax_lossscale from this checkout
-sys.path.insert(0, _HERE)  # the sibling modules below
-
-import bench_models  # noqa: E402
-from bench_models import BATCH  # noqa: E402
-from bench_models import DEFAULT_MODELS  # noqa: E402
-from bench_models import MODELS  # noqa: E402
-from bench_models import QUICK_MODELS  # noqa: E402
-import bench_report  # noqa: E402
-import bench_variants  # noqa: E402
-from bench_variants import INIT_SCALE  # noqa: E402
-from bench_variants import LEARNING_RATE  # noqa: E402
-from bench_variants import STATIC_SCALE  # noqa: E402
-from bench_variants import VARIANTS  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import bench_models
+from bench_models import BATCH
+from bench_models import DEFAULT_MODELS
+from bench_models import MODELS
+from bench_models import QUICK_MODELS
+import bench_report
+import bench_variants
+from bench_variants import INIT_SCALE
+from bench_variants import LEARNING_RATE
+from bench_variants import STATIC_SCALE
+from bench_variants import VARIANTS
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 # (model, variant) pairs left out of --quick: jmp's per-leaf all_finite makes
 # XLA's compile time quadratic in the leaf count (~1-2 minutes at 200 leaves on

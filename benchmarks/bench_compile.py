@@ -23,21 +23,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+import bench_models
+import bench_variants
+import jax
+import jax.numpy as jnp
 
-import bench_models  # noqa: E402
-import bench_variants  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jax_lossscale._scaler import _skip  # noqa: E402
+from jax_lossscale._scaler import _skip
 
 _ORDERABLE = _skip._orderable
 MODES = {

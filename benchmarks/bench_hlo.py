@@ -20,15 +20,10 @@ import argparse
 import collections
 import os
 import re
-import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
-
-import bench  # noqa: E402
-from bench_models import MODELS  # noqa: E402
-from bench_models import QUICK_MODELS  # noqa: E402
+import bench
+from bench_models import MODELS
+from bench_models import QUICK_MODELS
 
 # `%name = f16[2,3]{1,0} opcode(%a, %b), ...`: an instruction with an array result.
 _INSTR = re.compile(

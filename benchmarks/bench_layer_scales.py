@@ -33,24 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+import bench_models
+import jax
+import jax.numpy as jnp
+import layer_scales as _groups
+import numpy as np
+import optax
 
-import bench_models  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import layer_scales as _groups  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import jax_lossscale as jls  # noqa: E402
+import jax_lossscale as jls
 
 # Every float16 scaler runs at each of these: the demo's 100 and torch's default 2000 (for
 # the per-layer scaler the interval times the probing of its one shared headroom).

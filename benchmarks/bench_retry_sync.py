@@ -28,10 +28,6 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
-
 #: The XLA:GPU flags of the on-device predicate variant (appended to XLA_FLAGS).
 DEVICE_PREDICATE_FLAGS = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 

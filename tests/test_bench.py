@@ -10,15 +10,15 @@ import glob
 import importlib.util
 import os
 
+from helpers import BENCHMARKS_DIR
 from helpers import in_ci
+from helpers import load_benchmark_module
 from helpers import standard_promotion
 import numpy as np
 import pytest
 
-_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
-_spec = importlib.util.spec_from_file_location("bench", os.path.join(_DIR, "bench.py"))
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)  # puts benchmarks/ on sys.path for its sibling modules
+_DIR = BENCHMARKS_DIR
+bench = load_benchmark_module("bench")  # puts benchmarks/ on sys.path for its siblings
 import bench_gpt  # noqa: E402
 import bench_models  # noqa: E402
 import bench_report  # noqa: E402
