@@ -22,3 +22,10 @@ from jax_lossscale._integrations._flax import TrainState as TrainState
 from jax_lossscale._integrations._flax import value_and_grad as value_and_grad
 
 __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
+
+# Loss scaling in a loop you do not own (tunix, any NNX trainer): the scale shared by the
+# model and its nnx.Optimizer. See docs/guides/loop-you-do-not-own.md.
+from jax_lossscale._integrations._shared_scale import LossScaledModel as LossScaledModel  # noqa: E402
+from jax_lossscale._integrations._shared_scale import link_loss_scale as link_loss_scale  # noqa: E402
+
+__all__ += ("LossScaledModel", "link_loss_scale")
