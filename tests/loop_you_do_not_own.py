@@ -136,6 +136,17 @@ class StandInTrainer:
       return loss, aux, grad_norm
     return out, None, grad_norm
 
+  def shard_optimizer(self, mesh):
+    """tunix's ``_shard_optimizer``: the optimizer state placed on the mesh before the first
+    step ("if not, the _train_step will be compiled 2 times"): here, what is on one device
+    (``nnx.Optimizer``'s own ``step`` counter) is replicated."""
+    state = nnx.state(self.optimizer, nnx.optimizer.OptState)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on_mesh = lambda x: isinstance(x.sharding, jax.sharding.NamedSharding)
+    nnx.update(
+      self.optimizer, jax.tree_util.tree_map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state)
+    )
+
   def train_step(self, inputs):
     if self._jitted is None:
       step = nnx.jit(self._train_step, donate_argnames=("optimizer",))
