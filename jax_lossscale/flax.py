@@ -27,5 +27,6 @@ __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
 # model and its nnx.Optimizer. See docs/guides/loop-you-do-not-own.md.
 from jax_lossscale._integrations._shared_scale import LossScaledModel as LossScaledModel  # noqa: E402
 from jax_lossscale._integrations._shared_scale import link_loss_scale as link_loss_scale  # noqa: E402
+from jax_lossscale._integrations._shared_retry import retry_value_and_grad as retry_value_and_grad  # noqa: E402
 
-__all__ += ("LossScaledModel", "link_loss_scale")
+__all__ += ("LossScaledModel", "link_loss_scale", "retry_value_and_grad")

@@ -367,3 +367,93 @@ def test_errors():
   with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
     link_loss_scale(model, scaled.opt_state)
   assert not model.linked
+
+
+# -- RL: a GRPO-shaped update on sampled tokens, retried instead of skipped ----------------
+
+G = 4  # samples per prompt
+
+
+def _rollout(model, key, prompts):
+  """``G`` samples per prompt: at each position a token drawn from the policy's next-token
+  distribution; reward 1 per token that continues the arithmetic sequence."""
+  tokens = jnp.repeat(prompts["input_tokens"], G, axis=0)
+  positions = jnp.repeat(prompts["positions"], G, axis=0)
+  mask = jnp.repeat(prompts["attention_mask"], G, axis=0)
+  logits, _ = model.model(tokens, positions, None, mask)
+  logits = logits[:, :-1].astype(jnp.float32)
+  sampled = jax.random.categorical(key, logits)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), sampled[..., None], -1)[..., 0]
+  reward = jnp.mean((sampled == tokens[:, 1:]).astype(jnp.float32), axis=1).reshape(-1, G)
+  advantage = (reward - reward.mean(1, keepdims=True)) / (reward.std(1, keepdims=True) + 1e-4)
+  return dict(
+    input_tokens=tokens,
+    positions=positions,
+    attention_mask=mask,
+    sampled=sampled,
+    old_logp=logp,
+    advantage=advantage.reshape(-1),
+  )
+
+
+def grpo_loss(model, input_tokens, positions, attention_mask, sampled, old_logp, advantage):
+  """PPO's clipped objective on the sampled tokens, group-normalised advantages (GRPO)."""
+  logits, _ = model(input_tokens, positions, None, attention_mask)
+  logits = logits[:, :-1].astype(jnp.float32)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), sampled[..., None], -1)[..., 0]
+  ratio = jnp.exp(logp - old_logp)
+  a = advantage[:, None]
+  return -jnp.mean(jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a))
+
+
+def _policy(init_scale):
+  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=init_scale)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  link_loss_scale(model, optimizer)
+  return model, optimizer
+
+
+@pytest.mark.parametrize("max_retries", [0, 8])
+def test_grpo_update_retried_instead_of_skipped(max_retries):
+  """2**24 overflows float16's backward pass: with ``max_retries=0`` the rollout is thrown
+  away (the step is skipped); with retries it is recomputed at 2**24 / 2**r and applied,
+  the counters as if the batch had been fed r + 1 times, and the update is the one a scaler
+  starting at that scale makes."""
+  model, optimizer = _policy(2.0**24)
+  rollout = nnx.jit(_rollout)(model, jax.random.key(0), batches(1)[0])
+  step_fn = jls.flax.retry_value_and_grad(grpo_loss, max_retries=max_retries)
+
+  @nnx.jit
+  def rl_step(model, optimizer, rollout):
+    out = step_fn(model, optimizer, **rollout)
+    optimizer.update(model, out.grads)
+    return out.value, out.retries
+
+  before = _bytes(_params(model))
+  loss, retries = rl_step(model, optimizer, rollout)
+  state = _scale_state(optimizer)
+  assert np.isfinite(float(loss))
+  if max_retries == 0:
+    assert int(retries) == 0 and _bytes(_params(model)) == before
+    assert float(state.scale) == 2.0**23 and int(state.skipped_steps) == 1
+    return
+  r = int(retries)
+  assert 0 < r < max_retries and float(state.scale) == 2.0**24 / 2**r
+  assert int(state.skipped_steps) == r and int(state.consecutive_skips) == 0
+  assert int(state.growth_tracker) == 1  # the applied attempt is a clean step
+  assert float(model.loss_scale[...]) == float(state.scale)
+  # The same update as a scaler that started at the scale the retries arrived at.
+  ref, ref_opt = _policy(2.0**24 / 2**r)
+
+  @nnx.jit
+  def plain_step(model, optimizer, rollout):
+    grads = nnx.grad(grpo_loss)(model, **rollout)
+    optimizer.update(model, grads)
+
+  plain_step(ref, ref_opt, rollout)
+  assert not bool(jls.metrics(nnx.as_pure(ref_opt.opt_state))["last_step_skipped"])
+  got, want = jax.tree_util.tree_leaves(_params(model)), jax.tree_util.tree_leaves(_params(ref))
+  for g, w in zip(got, want):  # float16 gradients of two programs (one in a while_loop)
+    np.testing.assert_allclose(g, w, rtol=1e-3, atol=5e-5)
+  assert _bytes(_params(model)) != before
