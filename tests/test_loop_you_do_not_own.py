@@ -457,3 +457,63 @@ def test_grpo_update_retried_instead_of_skipped(max_retries):
   for g, w in zip(got, want):  # float16 gradients of two programs (one in a while_loop)
     np.testing.assert_allclose(g, w, rtol=1e-3, atol=5e-5)
   assert _bytes(_params(model)) != before
+
+
+# -- tunix itself (google-tunix is not a test dependency: run where it is installed) -------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # tunix 0.1.7 on JAX 0.10's deprecations
+def test_tunix_peft_trainer_in_float16():
+  """The guide's tunix block runs as written on tunix's ``PeftTrainer`` (unedited); then the
+  same float16 fine-tune, its skips recorded, against tunix's float32 run fed the batches the
+  float16 run applied: the losses agree on every applied step."""
+  pytest.importorskip("tunix", reason="google-tunix is not installed")
+  from test_docs import ROOT
+  from test_docs import python_blocks
+  from tunix.sft import peft_trainer
+
+  page = ROOT / "docs" / "guides" / "loop-you-do-not-own.md"
+  blocks = [code for _, code in python_blocks(page.read_text())]
+  ns = {"__name__": "guide"}
+  with standard_promotion():  # tunix's code and optax.adam are not strict-clean
+    exec(blocks[1], ns)  # the model and the data
+    assert "PeftTrainer" in blocks[2]
+    exec(blocks[2], ns)  # the tunix block
+    losses = np.asarray(ns["losses"])
+    m = ns["m"]
+    assert len(losses) == 30 and losses[-1] < 0.8 * losses[0]
+    assert int(m["skipped_steps"]) >= 1 and np.all(np.isfinite(losses))
+
+    data = ns["make_batches"](30)
+    inputs = lambda x: ns["model_inputs"](x.input_tokens)
+    as_input = lambda t: peft_trainer.TrainingInput(input_tokens=t, input_mask=jnp.ones(t.shape))
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=30)
+    model = LossScaledModel(ns["TinyLM"](nnx.Rngs(0)), output_dtype=jnp.float32)
+    tx = jls.dynamic_loss_scale(optax.adam(3e-3), init_scale=2.0**20, growth_interval=10)
+    trainer = peft_trainer.PeftTrainer(model, tx, config)
+    link_loss_scale(trainer.model, trainer.optimizer)
+    trainer.with_gen_model_input_fn(inputs)
+    counts = []
+
+    def recorded():
+      for t in data:
+        yield as_input(t)
+        counts.append(int(jls.get_scale_state(trainer.optimizer.opt_state).skipped_steps[...]))
+
+    trainer.train(recorded())
+    f16 = trainer.metrics_logger.get_metric_history("", "loss", "train")
+    skipped = np.diff([0] + counts[:30]).astype(bool)
+    np.testing.assert_array_equal(f16, losses)  # the guide's run, reproduced
+
+    ref = peft_trainer.PeftTrainer(ns["TinyLM"](nnx.Rngs(0), dtype=jnp.float32), optax.adam(3e-3), config)
+    ref.with_gen_model_input_fn(inputs)
+    ref.train([as_input(t) for t, s in zip(data, skipped) if not s])
+    f32 = ref.metrics_logger.get_metric_history("", "loss", "train")
+  applied = f16[~skipped]
+  print(
+    f"\ntunix float16: {len(f16)} steps, skipped {skipped.sum()} at {np.flatnonzero(skipped).tolist()}, "
+    f"final scale {float(m['scale']):g}; loss {f16[0]:.4f} -> {f16[-1]:.4f}; float32 on the "
+    f"applied batches {f32[0]:.4f} -> {f32[-1]:.4f}; max |diff| {np.max(np.abs(applied - f32)):.2e}, "
+    f"max rel {np.max(np.abs(applied - f32) / f32):.2e}"
+  )
+  np.testing.assert_allclose(applied, f32, rtol=1e-2)
