@@ -144,7 +144,8 @@ class StandInTrainer:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     on_mesh = lambda x: isinstance(x.sharding, jax.sharding.NamedSharding)
     nnx.update(
-      self.optimizer, jax.tree_util.tree_map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state)
+      self.optimizer,
+      jax.tree_util.tree_map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state),
     )
 
   def train_step(self, inputs):

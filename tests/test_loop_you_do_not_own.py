@@ -14,12 +14,10 @@ import contextlib
 from flax import nnx
 from helpers import standard_promotion
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-import jax.numpy as jnp
-from loop_you_do_not_own import B
-from loop_you_do_not_own import T
 from loop_you_do_not_own import StandInTrainer
 from loop_you_do_not_own import TinyLM
 from loop_you_do_not_own import batches
@@ -67,7 +65,9 @@ def test_float16_training_tracks_float32():
     losses, skipped = [], []
     for b in data:
       losses.append(float(trainer.train_step(b)[0]))
-      skipped.append(bool(jls.metrics(nnx.as_pure(trainer.optimizer.opt_state))["last_step_skipped"]))
+      skipped.append(
+        bool(jls.metrics(nnx.as_pure(trainer.optimizer.opt_state))["last_step_skipped"])
+      )
     ref = StandInTrainer(TinyLM(nnx.Rngs(0), dtype=jnp.float32), optax.adam(3e-3))
     ref_losses = [float(ref.train_step(b)[0]) for b, s in zip(data, skipped) if not s]
   state = _scale_state(trainer.optimizer)
@@ -101,13 +101,17 @@ def test_same_gradients_as_scale_loss(dtype, output_dtype):
   y = jnp.asarray(np.random.default_rng(1).integers(0, 4, size=8), jnp.int32)
   model = _MLP(dtype)
   wrapped = LossScaledModel(model, output_dtype=output_dtype)
-  optimizer = nnx.Optimizer(wrapped, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+    wrapped, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10), wrt=nnx.Param
+  )
   link_loss_scale(wrapped, optimizer)
 
   def loss_fn(m):
     logits = m(x.astype(dtype))
     logits = logits if output_dtype is None else logits.astype(output_dtype)
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), y[:, None], 1))
+    return -jnp.mean(
+      jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), y[:, None], 1)
+    )
 
   with jax.disable_jit():
     _, grads = nnx.value_and_grad(lambda m: jls.scale_loss(loss_fn(m), optimizer.opt_state))(model)
@@ -271,7 +275,10 @@ def test_checkpoint_restored_before_the_link_continues_bit_for_bit(tmp_path):
   resumed = StandInTrainer(model, tx)
   with ocp.StandardCheckpointer() as ckpt:
     restored = ckpt.restore(tmp_path / "ckpt")
-  model_state, opt_state = nnx.state(resumed.model), nnx.state(resumed.optimizer, nnx.optimizer.OptState)
+  model_state, opt_state = (
+    nnx.state(resumed.model),
+    nnx.state(resumed.optimizer, nnx.optimizer.OptState),
+  )
   nnx.replace_by_pure_dict(model_state, restored["model"])
   nnx.replace_by_pure_dict(opt_state, restored["opt"])
   nnx.update(resumed.model, model_state)
@@ -354,7 +361,7 @@ def test_errors():
   b = batches(1)[0]
   with pytest.raises(RuntimeError, match="link_loss_scale"):
     default_loss_fn(model, **b)
-  with pytest.raises(TypeError, match="model must be an nnx.Module"):
+  with pytest.raises(TypeError, match=r"model must be an nnx\.Module"):
     LossScaledModel(lambda x: x)
   with pytest.raises(ValueError, match="output_dtype"):
     LossScaledModel(TinyLM(nnx.Rngs(0)), output_dtype=jnp.int32)
@@ -364,7 +371,7 @@ def test_errors():
   scaled = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   with pytest.raises(ValueError, match="model holds no LossScaledModel"):
     link_loss_scale(TinyLM(nnx.Rngs(0)), scaled)
-  with pytest.raises(TypeError, match="optimizer must be an nnx.Optimizer"):
+  with pytest.raises(TypeError, match=r"optimizer must be an nnx\.Optimizer"):
     link_loss_scale(model, scaled.opt_state)
   assert not model.linked
 
@@ -505,7 +512,9 @@ def test_tunix_peft_trainer_in_float16():
     skipped = np.diff([0] + counts[:30]).astype(bool)
     np.testing.assert_array_equal(f16, losses)  # the guide's run, reproduced
 
-    ref = peft_trainer.PeftTrainer(ns["TinyLM"](nnx.Rngs(0), dtype=jnp.float32), optax.adam(3e-3), config)
+    ref = peft_trainer.PeftTrainer(
+      ns["TinyLM"](nnx.Rngs(0), dtype=jnp.float32), optax.adam(3e-3), config
+    )
     ref.with_gen_model_input_fn(inputs)
     ref.train([as_input(t) for t, s in zip(data, skipped) if not s])
     f32 = ref.metrics_logger.get_metric_history("", "loss", "train")

@@ -208,4 +208,3 @@ def link_loss_scale(model: nnx.Module, optimizer: nnx.Optimizer) -> nnx.Variable
     w.loss_scale = variable
     w.linked = True
   return variable
-
