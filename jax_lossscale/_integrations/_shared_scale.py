@@ -143,7 +143,9 @@ class LossScaledModel(nnx.Module):
         "This LossScaledModel is not linked to an optimizer: its gradients would not be "
         "scaled while the optimizer unscales them. Call "
         "jax_lossscale.flax.link_loss_scale(model, optimizer) once the nnx.Optimizer "
-        "exists (for tunix: link_loss_scale(trainer.model, trainer.optimizer))."
+        "exists (for tunix: link_loss_scale(trainer.model, trainer.optimizer)), before the "
+        "first step: a step that froze the model's graph earlier (nnx.cached_partial) keeps "
+        "the unlinked wrapper and must be rebuilt."
       )
     out = self.model(*args, **kwargs)
     if self.output_dtype is not None:
