@@ -6,7 +6,9 @@ The loop is ``StandInTrainer`` (tunix 0.1.7's ``PeftTrainer`` step, see
 training tracks float32; gradients equal those of ``scale_loss`` bit for bit; a skipped step
 leaves params, optimizer state and the scale's counters as the torch rule says; the step
 compiles once; the scale gets no gradient; gradient accumulation, checkpoints and sharded
-params; the errors. The last test runs tunix itself when ``google-tunix`` is installed.
+params; the errors; a GRPO-shaped RL update retried at a lower scale instead of skipped
+(``retry_value_and_grad``). ``test_tunix_peft_trainer_in_float16`` runs tunix itself when
+``google-tunix`` is installed (it is not a test dependency: about 50 packages, 0.7 GB).
 """
 
 import contextlib
@@ -526,3 +528,21 @@ def test_tunix_peft_trainer_in_float16():
     f"max rel {np.max(np.abs(applied - f32) / f32):.2e}"
   )
   np.testing.assert_allclose(applied, f32, rtol=1e-2)
+
+
+def test_retry_value_and_grad_errors():
+  with pytest.raises(TypeError, match="loss_fn must be callable"):
+    jls.flax.retry_value_and_grad(None)
+  with pytest.raises(ValueError, match="max_retries"):
+    jls.flax.retry_value_and_grad(grpo_loss, max_retries=-1)
+  step = jls.flax.retry_value_and_grad(default_loss_fn)
+  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  with pytest.raises(ValueError, match="linked to optimizer"):
+    step(model, optimizer, **batches(1)[0])  # not linked
+  accumulating = nnx.Optimizer(
+    model, jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(0.1)), 2), wrt=nnx.Param
+  )
+  link_loss_scale(model, accumulating)
+  with pytest.raises(ValueError, match="gradient accumulator"):
+    step(model, accumulating, **batches(1)[0])
