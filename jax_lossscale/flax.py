@@ -1,6 +1,6 @@
 """Flax integration: a ``TrainState`` carrying the scaler, and a scaled ``value_and_grad``.
 
-Two ways to use loss scaling with Flax:
+Three ways to use loss scaling with Flax:
 
 * **Scaler inside the optimizer** (linen and NNX): build the optimizer with
   :func:`jax_lossscale.dynamic_loss_scale` and use Flax's stock
@@ -13,6 +13,11 @@ Two ways to use loss scaling with Flax:
   gradients plus a finiteness flag that :meth:`TrainState.apply_gradients`
   uses to skip the step.
 
+* **A loop you do not own** (NNX: tunix's ``PeftTrainer``, any trainer that builds its
+  ``nnx.Optimizer`` and calls ``loss_fn(model, batch)``): wrap the model in
+  :class:`LossScaledModel` and link it to the optimizer with :func:`link_loss_scale`; the
+  model's backward pass is then scaled by the optimizer's own scale variable.
+
 Needs Flax (``pip install 'jax-lossscale[flax]'``). The implementation lives in
 :mod:`jax_lossscale._integrations._flax`.
 """
@@ -21,4 +26,16 @@ from jax_lossscale._integrations._flax import ScaledValueAndGrad as ScaledValueA
 from jax_lossscale._integrations._flax import TrainState as TrainState
 from jax_lossscale._integrations._flax import value_and_grad as value_and_grad
 
-__all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
+# A loop you do not own (tunix, any NNX trainer): the scale shared by the model and its optimizer.
+from jax_lossscale._integrations._shared_retry import retry_value_and_grad as retry_value_and_grad
+from jax_lossscale._integrations._shared_scale import LossScaledModel as LossScaledModel
+from jax_lossscale._integrations._shared_scale import link_loss_scale as link_loss_scale
+
+__all__ = (
+  "LossScaledModel",
+  "ScaledValueAndGrad",
+  "TrainState",
+  "link_loss_scale",
+  "retry_value_and_grad",
+  "value_and_grad",
+)

@@ -1,0 +1,155 @@
+"""A tiny NNX language model and a trainer written the way tunix 0.1.7's ``PeftTrainer`` is.
+
+Shared by ``tests/test_loop_you_do_not_own.py`` (the stand-in, always run) and the tunix
+test in the same file (run when ``google-tunix`` is installed).
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+V, D, T, B = 32, 32, 16, 8  # vocabulary, width, sequence length, batch
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalisation computed in float32, returned in the compute dtype (strict-promotion
+  clean, unlike ``nnx.LayerNorm`` with float16 compute and float32 params)."""
+
+  def __init__(self, d, dtype):
+    self.scale = nnx.Param(jnp.ones(d, jnp.float32))
+    self.dtype = dtype
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (y * self.scale[...]).astype(self.dtype)
+
+
+class TinyLM(nnx.Module):
+  """One pre-norm transformer block, randomly initialised, float32 params.
+
+  Called as tunix calls a model: ``model(tokens, positions, cache, attention_mask)`` gives
+  ``(logits, cache)``. ``dtype`` is the compute dtype (float16 or float32).
+  """
+
+  def __init__(self, rngs: nnx.Rngs, dtype=jnp.float16):
+    kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.embed = nnx.Embed(V, D, **kw)
+    self.pos = nnx.Embed(T, D, **kw)
+    self.ln1 = RMSNorm(D, dtype)
+    self.qkv = nnx.Linear(D, 3 * D, **kw)
+    self.out = nnx.Linear(D, D, **kw)
+    self.ln2 = RMSNorm(D, dtype)
+    self.up = nnx.Linear(D, 4 * D, **kw)
+    self.down = nnx.Linear(4 * D, D, **kw)
+    self.head = nnx.Linear(D, V, **kw)
+
+  def __call__(self, tokens, positions, cache, attention_mask):
+    x = self.embed(tokens) + self.pos(positions)
+    x = x + self.out(self._attention(self.ln1(x), attention_mask))
+    x = x + self.down(nnx.gelu(self.up(self.ln2(x))))
+    return self.head(x), cache
+
+  def _attention(self, x, mask):
+    """Two-head causal self-attention in the compute dtype (plain einsums: XLA:CPU has no
+    float16 dot with a float32 accumulator, which ``nnx.MultiHeadAttention`` asks for)."""
+    q, k, v = jnp.split(self.qkv(x).reshape(*x.shape[:2], 3, 2, D // 2), 3, axis=2)
+    q, k, v = (a[:, :, 0] for a in (q, k, v))  # (B, T, heads, D / heads)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(D // 2, q.dtype))
+    logits = jnp.where(mask[:, None], logits, jnp.asarray(-1e4, logits.dtype))
+    weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+
+
+def batches(n: int, seed: int = 0) -> list[dict[str, jax.Array]]:
+  """``n`` batches of arithmetic sequences mod ``V`` (learnable), as tunix's model inputs."""
+  rng = np.random.default_rng(seed)
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  out = []
+  for _ in range(n):
+    start = rng.integers(0, V, size=(B, 1))
+    stride = rng.integers(1, 4, size=(B, 1))
+    tokens = (start + stride * np.arange(T)) % V
+    out.append(
+      dict(
+        input_tokens=jnp.asarray(tokens, jnp.int32),
+        input_mask=jnp.ones((B, T), jnp.float32),
+        positions=positions,
+        attention_mask=causal,
+      )
+    )
+  return out
+
+
+def default_loss_fn(model, input_tokens, input_mask, positions, attention_mask):
+  """tunix's ``_default_loss_fn`` (peft_trainer.py), with the logits cast to float32."""
+  logits, _ = model(input_tokens, positions, None, attention_mask)
+  logits = logits[:, :-1, :].astype(jnp.float32)
+  target_tokens = input_tokens[:, 1:]
+  target_mask = input_mask[:, 1:]
+  one_hot = jax.nn.one_hot(target_tokens, logits.shape[-1])
+  one_hot = one_hot * target_mask.astype(one_hot.dtype)[..., None]
+  norm_factor = 1 / (jnp.sum(target_mask) + 1e-8)
+  return -jnp.sum(jax.nn.log_softmax(logits) * one_hot) * norm_factor
+
+
+class StandInTrainer:
+  """tunix 0.1.7's ``PeftTrainer``, the parts that build the optimizer and run a step.
+
+  As in tunix: the trainer wraps the optimizer in ``optax.MultiSteps`` for gradient
+  accumulation and builds ``nnx.Optimizer(model, optimizer, wrt=nnx.Param)`` itself; the
+  loss comes through ``with_loss_fn`` and sees the model and the batch only; the step is
+  ``nnx.value_and_grad(loss_fn, argnums=0)``, ``optax.global_norm(grads)``,
+  ``optimizer.update(model, grads)``, under ``nnx.jit(..., donate_argnames=("optimizer",))``
+  bound with ``nnx.cached_partial``. ``traces`` counts the compilations of the step.
+  """
+
+  def __init__(self, model, optimizer, gradient_accumulation_steps=None):
+    self.model = model
+    if gradient_accumulation_steps is not None:
+      optimizer = optax.MultiSteps(optimizer, gradient_accumulation_steps)
+    self.optimizer = nnx.Optimizer(self.model, optimizer, wrt=nnx.Param)
+    self.loss_fn = default_loss_fn
+    self._has_aux = False
+    self._jitted = None
+    self.traces = 0
+
+  def with_loss_fn(self, loss_fn, has_aux=False):
+    self._jitted = None
+    self.loss_fn = loss_fn
+    self._has_aux = has_aux
+    return self
+
+  def _train_step(self, model, optimizer, inputs):
+    self.traces += 1
+    grad_fn = nnx.value_and_grad(self.loss_fn, argnums=0, has_aux=self._has_aux)
+    out, grads = grad_fn(model, **inputs)
+    grad_norm = optax.tree.norm(grads)  # tunix: optax.global_norm, deprecated alias
+    optimizer.update(model, grads)
+    if self._has_aux:
+      loss, aux = out
+      return loss, aux, grad_norm
+    return out, None, grad_norm
+
+  def shard_optimizer(self, mesh):
+    """tunix's ``_shard_optimizer``: the optimizer state placed on the mesh before the first
+    step ("if not, the _train_step will be compiled 2 times"): here, what is on one device
+    (``nnx.Optimizer``'s own ``step`` counter) is replicated."""
+    state = nnx.state(self.optimizer, nnx.optimizer.OptState)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on_mesh = lambda x: isinstance(x.sharding, jax.sharding.NamedSharding)
+    nnx.update(
+      self.optimizer,
+      jax.tree_util.tree_map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state),
+    )
+
+  def train_step(self, inputs):
+    if self._jitted is None:
+      step = nnx.jit(self._train_step, donate_argnames=("optimizer",))
+      self._jitted = nnx.cached_partial(step, self.model, self.optimizer)
+    return self._jitted(inputs)
