@@ -1,0 +1,180 @@
+"""Coming from Flax's ``DynamicScale``: the misuses a migration meets are refused with directions.
+
+* The half-migration: upstream's skip block kept after :meth:`TrainState.apply_gradients`
+  (``new_state.replace(..., dynamic_scale=dynamic_scale)``) would write the scale state of before
+  the step back, and the scale would never back off. Refused, under ``jit`` and without.
+* Flax's unpacking of the old result ``(dynamic_scale, is_fin, aux, grads)`` applied to
+  :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``: the ``finite`` flag passed as
+  ``grads`` and the loss passed as ``dynamic_scale`` get errors that say what changed.
+* ``state.dynamic_scale.value_and_grad`` (Flax's method on the scale object) says where it went.
+* ``jls.flax`` is an attribute of the package, imported on first use.
+* Scaling switched off in the TrainState (Flax's ``dynamic_scale=None`` path): bit-identical to
+  Flax's stock TrainState.
+"""
+
+import functools
+import subprocess
+import sys
+
+import flax.training.train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale.flax import TrainState
+
+
+def _state(**kwargs):
+  return TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.5), **kwargs)
+
+
+def _loss(params, x):
+  return jnp.sum((params["w"] * x) ** 2)
+
+
+def half_migrated_step(state, x):
+  """Flax's ImageNet step with only the state swapped: its skip block is kept."""
+  dynamic_scale = state.dynamic_scale
+  out = state.value_and_grad(_loss)(state.params, x)
+  is_fin = out.finite
+  new_state = state.apply_gradients(grads=out.grads, finite=is_fin)
+  new_state = new_state.replace(
+    opt_state=jax.tree_util.tree_map(
+      functools.partial(jnp.where, is_fin), new_state.opt_state, state.opt_state
+    ),
+    params=jax.tree_util.tree_map(functools.partial(jnp.where, is_fin), new_state.params, state.params),
+    dynamic_scale=dynamic_scale,
+  )
+  return new_state
+
+
+def test_the_half_migration_is_refused(maybe_jit):
+  state = _state()
+  with pytest.raises(ValueError, match="writes back the scale state from before apply_gradients"):
+    maybe_jit(half_migrated_step)(state, jnp.array([jnp.inf, 1.0]))
+
+
+def test_the_half_migration_is_refused_for_a_copy_of_the_old_scale_state():
+  state = _state()
+  new = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  copy = jax.tree.map(lambda a: a, state.dynamic_scale)  # same leaves, another object
+  with pytest.raises(ValueError, match="delete Flax's"):
+    new.replace(dynamic_scale=copy)
+
+
+def test_deliberate_scale_state_changes_still_work(maybe_jit):
+  state = _state()
+  new = maybe_jit(lambda s: s.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}))(state)
+  assert float(new.dynamic_scale.scale) == 32768.0  # backed off
+  fresh = jls.DynamicScaleState.create(init_scale=8.0)
+  assert float(new.replace(dynamic_scale=fresh).dynamic_scale.scale) == 8.0
+  assert new.replace(step=new.step).dynamic_scale is new.dynamic_scale
+  # apply_gradients' own result, then any replace of it: fine.
+  again = new.apply_gradients(grads={"w": jnp.ones(2)})
+  assert again.replace(dynamic_scale=again.dynamic_scale).dynamic_scale is again.dynamic_scale
+
+
+def test_replace_refuses_what_is_not_a_scale_state():
+  state = _state()
+  with pytest.raises(TypeError, match="dynamic_scale must be a jax_lossscale.DynamicScaleState"):
+    state.replace(dynamic_scale=None)
+
+
+def test_flax_unpacking_of_the_result_says_what_changed(maybe_jit):
+  """``dynamic_scale, is_fin, loss, grads = grad_fn(params)``: Flax's order on jls's result."""
+
+  def flax_ordered_step(state, x):
+    dynamic_scale, is_fin, loss, grads = state.value_and_grad(_loss)(state.params, x)
+    new_state = state.apply_gradients(grads=grads)
+    return new_state.replace(dynamic_scale=dynamic_scale), loss
+
+  state = _state()
+  with pytest.raises(TypeError, match=r"grads is a boolean scalar.*ScaledValueAndGrad\(value"):
+    maybe_jit(flax_ordered_step)(state, jnp.ones(2))
+  # The loss written back as the scale state names the order too.
+  out = state.value_and_grad(_loss)(state.params, jnp.ones(2))
+  with pytest.raises(TypeError, match=r"got ArrayImpl.*returns \(dynamic_scale, is_fin"):
+    state.replace(dynamic_scale=out[0])
+
+
+def test_the_result_still_unpacks_in_its_own_order():
+  state = _state()
+  value, aux, grads, finite = state.value_and_grad(_loss)(state.params, jnp.ones(2))
+  assert float(value) == 2.0 and aux is None and bool(finite)
+  np.testing.assert_array_equal(grads["w"], [2.0, 2.0])
+
+
+def test_scale_state_value_and_grad_points_to_the_train_state():
+  ds = jls.DynamicScaleState.create()
+  with pytest.raises(AttributeError, match="TrainState.value_and_grad"):
+    ds.value_and_grad(_loss, has_aux=True)
+  with pytest.raises(AttributeError, match="'DynamicScaleState' object has no attribute 'nope'"):
+    ds.nope  # noqa: B018
+  assert not hasattr(ds, "dtype")
+
+
+def test_jls_flax_is_an_attribute_imported_on_first_use():
+  code = (
+    "import sys, jax_lossscale as jls\n"
+    "assert 'flax' not in sys.modules and 'jax_lossscale.flax' not in sys.modules\n"
+    "assert jls.flax.TrainState.__name__ == 'TrainState'\n"
+    "import jax_lossscale.flax\n"
+    "assert jls.flax is jax_lossscale.flax\n"
+  )
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_jls_flax_without_flax_names_the_extra():
+  code = (
+    "import sys\n"
+    "sys.modules['flax'] = None\n"  # flax not installed
+    "import jax_lossscale as jls\n"
+    "try:\n"
+    "  jls.flax\n"
+    "except AttributeError as e:\n"
+    "  assert \"pip install 'jax-lossscale[flax]'\" in str(e), e\n"
+    "  assert not hasattr(jls, 'flax')\n"
+    "else:\n"
+    "  raise SystemExit('no error')\n"
+  )
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_scaling_switched_off_is_flax_stock_train_state_bit_for_bit():
+  """``dynamic_scale=DynamicScaleState.create(init_scale=1.0, dynamic=False)``: Flax's float32
+  path, plus the skip of a non-finite step."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+  xs = jnp.asarray(rng.normal(size=(5, 8, 4)), jnp.float32)
+  loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+  tx = optax.sgd(0.3, momentum=0.9)
+  off = TrainState.create(
+    apply_fn=None,
+    params=params,
+    tx=tx,
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=1.0, dynamic=False),
+  )
+  stock = flax.training.train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+  def off_step(state, x):  # eager: op by op, so no fusion choice differs between the two
+    out = state.value_and_grad(loss)(state.params, x)
+    return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
+
+  def stock_step(state, x):
+    value, grads = jax.value_and_grad(loss)(state.params, x)
+    return state.apply_gradients(grads=grads), value
+
+  for x in xs:
+    off, a = off_step(off, x)
+    stock, b = stock_step(stock, x)
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    np.testing.assert_array_equal(
+      np.asarray(off.params["w"]).view(np.uint32), np.asarray(stock.params["w"]).view(np.uint32)
+    )
+  assert float(off.dynamic_scale.scale) == 1.0
+  skipped, _ = off_step(off, xs[0].at[0, 0].set(jnp.inf))
+  assert float(skipped.dynamic_scale.scale) == 1.0 and int(skipped.dynamic_scale.skipped_steps) == 1
+  np.testing.assert_array_equal(skipped.params["w"], off.params["w"])
