@@ -13,9 +13,11 @@
 """
 
 import functools
+import pathlib
 import subprocess
 import sys
 
+import flax.linen
 import flax.training.train_state
 import jax
 import jax.numpy as jnp
@@ -178,3 +180,92 @@ def test_scaling_switched_off_is_flax_stock_train_state_bit_for_bit():
   skipped, _ = off_step(off, xs[0].at[0, 0].set(jnp.inf))
   assert float(skipped.dynamic_scale.scale) == 1.0 and int(skipped.dynamic_scale.skipped_steps) == 1
   np.testing.assert_array_equal(skipped.params["w"], off.params["w"])
+
+
+# docs/rule.md's Flax column, against the installed Flax.
+
+
+def _rule_row(behaviour):
+  text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rule.md").read_text()
+  header = next(line for line in text.splitlines() if line.startswith("| behaviour |"))
+  row = next(line for line in text.splitlines() if line.startswith(f"| {behaviour} |"))
+  cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+  return dict(zip(cells(header), cells(row)))
+
+
+def _flax_clean_steps_until_growth(interval, fin_steps=0, limit=40):
+  """Flax's own DynamicScale: on which clean step (1-based) the scale first grows, or None."""
+  from flax.training.dynamic_scale import DynamicScale
+
+  ds = DynamicScale(growth_interval=interval, fin_steps=fin_steps)
+  for k in range(1, limit + 1):
+    ds, finite, _, _ = ds.value_and_grad(lambda p: p * p)(jnp.float32(1.0))
+    assert bool(finite)
+    if float(ds.scale) > 65536.0:
+      return k
+  return None
+
+
+def test_rule_table_flax_column_is_what_flax_does():
+  flax_column = "Flax `DynamicScale`"
+  # Growth on the (N+1)-th clean step: Flax checks fin_steps == N before counting this step.
+  assert _flax_clean_steps_until_growth(3) == 4
+  assert _rule_row("growth happens on")[flax_column] == "(N+1)-th"
+  # A tracker past the interval (a loaded state): `==` never matches again, so no growth.
+  assert _flax_clean_steps_until_growth(3, fin_steps=5) is None
+  cell = _rule_row("tracker >= interval (e.g. after loading a state)")[flax_column]
+  assert "`==`" in cell and "never grows" in cell, cell
+  # jax_lossscale grows on the N-th clean step, as torch does.
+  state = jls.DynamicScaleState.create(growth_interval=3)
+  for k in range(1, 4):
+    state = jls.update_scale(state, jnp.array(True))
+    assert (float(state.scale) > 65536.0) == (k == 3)
+
+
+# The smaller findings of the guides.
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs several devices (conftest)")
+def test_axis_name_averages_in_value_and_grad_but_only_combines_the_flag_in_the_optimizer():
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))  # Auto axes, as the guide's
+  n = jax.device_count()
+  x = jnp.arange(n, dtype=jnp.float32).reshape(n, 1) + 1.0  # one row per device, all different
+  params = {"w": jnp.ones(1)}
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=4.0, axis_name="data")
+  opt_state = tx.init(params)
+  loss = lambda p, x: jnp.sum(p["w"] * x)
+
+  @jax.jit
+  @functools.partial(
+    jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P())
+  )
+  def step(params, opt_state, x):
+    local = jax.grad(lambda p: jls.scale_loss(loss(p, x), opt_state))(params)
+    updates, _ = tx.update(local, opt_state)  # no pmean: each device keeps its own gradient
+    out = jls.flax.value_and_grad(loss, opt_state, axis_name="data")(params, x)
+    return updates["w"], out.grads["w"]
+
+  per_device, averaged = step(params, opt_state, x)
+  np.testing.assert_array_equal(per_device, -x[:, 0])  # the optimizer did not average
+  np.testing.assert_array_equal(averaged, [float(np.mean(np.asarray(x)))])  # value_and_grad did
+  text = (ROOT / "docs" / "guides" / "many-devices.md").read_text()
+  assert "only combines the overflow flag" in text and "also averages the gradients" in text
+
+
+def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
+  """``jls.autocast(model.apply)`` leaves the loss outside the policy: its log_softmax is float16."""
+  model = flax.linen.Dense(10)
+  params = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  apply = jls.autocast(model.apply)
+  logits = apply(params, jnp.ones((2, 4)))
+  assert logits.dtype == jnp.float16
+  assert jax.nn.log_softmax(logits).dtype == jnp.float16  # outside the policy: float16 exp/log
+  inside = jls.autocast(lambda p, x: jax.nn.log_softmax(model.apply(p, x)))(params, jnp.ones((2, 4)))
+  assert inside.dtype == jnp.float32  # the loss inside the policy: float32
+  text = (ROOT / "docs" / "guides" / "flax-linen.md").read_text()
+  assert "runs in float32 under the policy anyway" not in text
+  assert "Keep the `.astype(jnp.float32)` of the output before the loss" in text
