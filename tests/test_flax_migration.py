@@ -228,7 +228,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs several devices (conftest)")
-def test_axis_name_averages_in_value_and_grad_but_only_combines_the_flag_in_the_optimizer():
+@pytest.mark.parametrize("check_vma", [False, True], ids=["per-device-grads", "vma"])
+def test_axis_name_averages_in_value_and_grad_but_only_combines_the_flag_in_the_optimizer(
+  check_vma,
+):
   from jax.sharding import PartitionSpec as P
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))  # Auto axes, as the guide's
@@ -241,19 +244,29 @@ def test_axis_name_averages_in_value_and_grad_but_only_combines_the_flag_in_the_
 
   @jax.jit
   @functools.partial(
-    jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P("data"), P())
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P(), P(), P("data")),
+    out_specs=(P("data"), P("data")),
+    check_vma=check_vma,
   )
   def step(params, opt_state, x):
     local = jax.grad(lambda p: jls.scale_loss(loss(p, x), opt_state))(params)
-    updates, _ = tx.update(local, opt_state)  # no pmean: each device keeps its own gradient
+    updates, _ = tx.update(local, opt_state)  # no pmean: each device keeps what it was given
     out = jls.flax.value_and_grad(loss, opt_state, axis_name="data")(params, x)
     return updates["w"], out.grads["w"]
 
   per_device, averaged = step(params, opt_state, x)
-  np.testing.assert_array_equal(per_device, -x[:, 0])  # the optimizer did not average
-  np.testing.assert_array_equal(averaged, [float(np.mean(np.asarray(x)))])  # value_and_grad did
+  rows = np.asarray(x)[:, 0]
+  if not check_vma:  # pmap's semantics: each device's own gradient
+    np.testing.assert_array_equal(per_device, -rows)  # the optimizer did not average
+    np.testing.assert_array_equal(averaged, np.full(n, rows.mean()))  # value_and_grad did
+  else:  # JAX sums the gradients of the replicated params itself; pmean leaves the sum
+    np.testing.assert_array_equal(per_device, np.full(n, -rows.sum()))
+    np.testing.assert_array_equal(averaged, np.full(n, rows.sum()))
   text = (ROOT / "docs" / "guides" / "many-devices.md").read_text()
   assert "only combines the overflow flag" in text and "also averages the gradients" in text
+  assert "*sum* of the devices' gradients" in text
 
 
 def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
