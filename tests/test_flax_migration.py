@@ -12,8 +12,10 @@
   Flax's stock TrainState.
 """
 
+import difflib
 import functools
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -282,3 +284,36 @@ def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
   text = (ROOT / "docs" / "guides" / "flax-linen.md").read_text()
   assert "runs in float32 under the policy anyway" not in text
   assert "Keep the `.astype(jnp.float32)` of the output before the loss" in text
+
+
+# The migration page: its diff is the difference between its two train steps, which run.
+
+_FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def test_the_migration_page_diff_is_the_difference_between_its_two_train_steps():
+  page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
+  blocks = _FENCE.findall(page)
+  python = [code for lang, code in blocks if lang == "python"]
+  (shown,) = [code for lang, code in blocks if lang == "diff"]
+  before = next(b for b in python if b.startswith("class TrainState(train_state.TrainState)"))
+  after = next(b for b in python if b.startswith("class TrainState(jls.flax.TrainState)"))
+  diff = difflib.unified_diff(
+    before.splitlines(True), after.splitlines(True), "flax/train.py", "jls/train.py", n=2
+  )
+  assert shown == "".join(diff)
+  # The removed lines are Flax's skip block and unpacking; the page's prose names them.
+  assert "-    dynamic_scale, is_fin, aux, grads = grad_fn(state.params)\n" in shown
+  assert "-      dynamic_scale=dynamic_scale,\n" in shown
+  nav = (ROOT / "mkdocs.yml").read_text()
+  assert "guides/flax-dynamic-scale.md" in nav
+
+
+def test_the_migration_page_says_why_growth_comes_one_step_earlier():
+  page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
+  assert "grow = self.fin_steps == self.growth_interval" in page
+  import flax.training.dynamic_scale
+
+  source = pathlib.Path(flax.training.dynamic_scale.__file__).read_text()
+  assert "grow = self.fin_steps == self.growth_interval" in source  # the installed Flax's line
+  assert _flax_clean_steps_until_growth(4) == 5  # (N+1)-th, as the page says
