@@ -22,8 +22,8 @@ import argparse
 import functools
 import time
 
-import flax.linen as nn
 from flax import struct
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,8 +153,10 @@ def main():
   if args.smoke:
     args.seeds, args.clean_steps = 1, 20
   t0 = time.time()
-  print("| seed | arm | held-out acc. before the inf batch | after +"
-        f"{args.after_steps} steps | batch_stats kept on the skip | finite at the end |")
+  print(
+    "| seed | arm | held-out acc. before the inf batch | after +"
+    f"{args.after_steps} steps | batch_stats kept on the skip | finite at the end |"
+  )
   print("|---|---|---|---|---|---|")
   for seed in range(args.seeds):
     for guard in (True, False):

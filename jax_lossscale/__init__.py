@@ -115,8 +115,7 @@ def __getattr__(name: str) -> object:
       return _importlib.import_module("jax_lossscale.flax")
     except ImportError as e:
       raise AttributeError(
-        f"jax_lossscale.flax is not available: {e} "
-        "(pip install 'jax-lossscale[flax]')"
+        f"jax_lossscale.flax is not available: {e} (pip install 'jax-lossscale[flax]')"
       ) from e
   module, new = _DEPRECATED.get(name), _RENAMED.get(name)
   if module is not None:

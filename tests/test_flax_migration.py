@@ -49,7 +49,9 @@ def half_migrated_step(state, x):
     opt_state=jax.tree_util.tree_map(
       functools.partial(jnp.where, is_fin), new_state.opt_state, state.opt_state
     ),
-    params=jax.tree_util.tree_map(functools.partial(jnp.where, is_fin), new_state.params, state.params),
+    params=jax.tree_util.tree_map(
+      functools.partial(jnp.where, is_fin), new_state.params, state.params
+    ),
     dynamic_scale=dynamic_scale,
   )
   return new_state
@@ -83,7 +85,7 @@ def test_deliberate_scale_state_changes_still_work(maybe_jit):
 
 def test_replace_refuses_what_is_not_a_scale_state():
   state = _state()
-  with pytest.raises(TypeError, match="dynamic_scale must be a jax_lossscale.DynamicScaleState"):
+  with pytest.raises(TypeError, match=r"dynamic_scale must be a jax_lossscale\.DynamicScaleState"):
     state.replace(dynamic_scale=None)
 
 
@@ -91,7 +93,7 @@ def test_flax_unpacking_of_the_result_says_what_changed(maybe_jit):
   """``dynamic_scale, is_fin, loss, grads = grad_fn(params)``: Flax's order on jls's result."""
 
   def flax_ordered_step(state, x):
-    dynamic_scale, is_fin, loss, grads = state.value_and_grad(_loss)(state.params, x)
+    dynamic_scale, _is_fin, loss, grads = state.value_and_grad(_loss)(state.params, x)
     new_state = state.apply_gradients(grads=grads)
     return new_state.replace(dynamic_scale=dynamic_scale), loss
 
@@ -113,7 +115,7 @@ def test_the_result_still_unpacks_in_its_own_order():
 
 def test_scale_state_value_and_grad_points_to_the_train_state():
   ds = jls.DynamicScaleState.create()
-  with pytest.raises(AttributeError, match="TrainState.value_and_grad"):
+  with pytest.raises(AttributeError, match=r"TrainState\.value_and_grad"):
     ds.value_and_grad(_loss, has_aux=True)
   with pytest.raises(AttributeError, match="'DynamicScaleState' object has no attribute 'nope'"):
     ds.nope  # noqa: B018
@@ -279,7 +281,9 @@ def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
   logits = apply(params, jnp.ones((2, 4)))
   assert logits.dtype == jnp.float16
   assert jax.nn.log_softmax(logits).dtype == jnp.float16  # outside the policy: float16 exp/log
-  inside = jls.autocast(lambda p, x: jax.nn.log_softmax(model.apply(p, x)))(params, jnp.ones((2, 4)))
+  inside = jls.autocast(lambda p, x: jax.nn.log_softmax(model.apply(p, x)))(
+    params, jnp.ones((2, 4))
+  )
   assert inside.dtype == jnp.float32  # the loss inside the policy: float32
   text = (ROOT / "docs" / "guides" / "flax-linen.md").read_text()
   assert "runs in float32 under the policy anyway" not in text

@@ -258,7 +258,9 @@ class NNXNet(nnx.Module):
 @pytest.mark.parametrize("kind", ["inf_input", "backward_overflow"])
 def test_nnx_skipped_step_keeps_batch_stats(kind):
   model = NNXNet(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(1e-2, momentum=0.9)), wrt=nnx.Param)
+  optimizer = nnx.Optimizer(
+    model, jls.dynamic_loss_scale(optax.sgd(1e-2, momentum=0.9)), wrt=nnx.Param
+  )
 
   def make_step(kind):
     @nnx.jit

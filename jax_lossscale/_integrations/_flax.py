@@ -80,12 +80,14 @@ def value_and_grad(
 ) -> Callable[..., ScaledValueAndGrad]:
   """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
 
-  The functional counterpart of Flax's ``DynamicScale.value_and_grad``: the
-  returned function differentiates ``scale * fun(...)`` (in float32 at
-  least, see :func:`jax_lossscale.scale_loss`), then unscales the gradients
-  and checks them for inf/NaN in one pass. The scaler state is only read;
-  advance it with :func:`jax_lossscale.update_scale` (done by
-  :meth:`TrainState.apply_gradients`). Pure ``jnp``: use it inside ``jit``.
+  What Flax's ``DynamicScale.value_and_grad`` does, as a function of the
+  state: the returned function differentiates ``scale * fun(...)`` (in
+  float32 at least, see :func:`jax_lossscale.scale_loss`), then unscales the
+  gradients and checks them for inf/NaN in one pass. Unlike Flax's, the
+  scaler state is only read, not advanced (:meth:`TrainState.apply_gradients`
+  advances it, with :func:`jax_lossscale.update_scale`), and the result is
+  ``(value, aux, grads, finite)``, not Flax's ``(dynamic_scale, finite, aux,
+  grad)``: read it by name. Pure ``jnp``: use it inside ``jit``.
 
   Args:
     fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -167,8 +169,14 @@ class TrainState(train_state.TrainState):
   in the optimizer), compute gradients with :meth:`value_and_grad` (or
   :func:`value_and_grad`) and call :meth:`apply_gradients` with their
   ``finite`` flag. A step with non-finite gradients is skipped with
-  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params`` and
-  ``opt_state`` stay bit-identical, and the scale backs off.
+  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params``,
+  ``opt_state`` and every field passed to :meth:`apply_gradients` (the
+  model's ``batch_stats``) stay bit-identical, and the scale backs off.
+
+  Scaling switched off (Flax's ``dynamic_scale=None``) is
+  ``dynamic_scale=DynamicScaleState.create(init_scale=1.0, dynamic=False)``:
+  exact, and non-finite steps are still skipped. ``dynamic_scale=None``
+  here means torch's default scaler.
 
   ``tx`` is initialised (and updated) with float16/bfloat16 params promoted
   to float32, as :func:`jax_lossscale.dynamic_loss_scale` does, so its state
@@ -390,10 +398,9 @@ class TrainState(train_state.TrainState):
     """
     if _is_finite_flag(grads):
       raise TypeError(
-        "grads is a boolean scalar: it looks like the `finite` flag. "
-        + _UNPACKING_CHANGED
+        "grads is a boolean scalar: it looks like the `finite` flag. " + _UNPACKING_CHANGED
       )
-    replace_on_skip = _field_names("replace_on_skip", replace_on_skip, kwargs)
+    replaced_anyway = _field_names("replace_on_skip", replace_on_skip, kwargs)
     if finite is None:
       refuse_complex(grads)
       finite = all_finite(gradient_leaves(grads))
@@ -414,7 +421,7 @@ class TrainState(train_state.TrainState):
     static = {f.name for f in dataclasses.fields(self) if not f.metadata.get("pytree_node", True)}
     fields = {
       name: value
-      if name in replace_on_skip or name in static or not hasattr(self, name)
+      if name in replaced_anyway or name in static or not hasattr(self, name)
       else select_tree(finite, value, getattr(self, name), name)
       for name, value in kwargs.items()
     }
@@ -432,7 +439,7 @@ class TrainState(train_state.TrainState):
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)  # flax.struct's: makes cls a dataclass, sets replace
-    cls.replace = cls._checked_replace  # type: ignore[method-assign]
+    cls.replace = cls._checked_replace  # type: ignore[method-assign, assignment]
 
   def _checked_replace(self, **updates: Any) -> TrainState:
     """A copy with the given fields replaced (Flax's ``replace``), checking ``dynamic_scale``.
@@ -471,7 +478,7 @@ class TrainState(train_state.TrainState):
 
 
 # flax.struct sets a plain ``replace`` on each dataclass it makes (this one included).
-TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign]
+TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign, assignment]
 
 #: What changed from Flax's ``DynamicScale.value_and_grad``, for the errors that meet its
 #: unpacking.
@@ -506,7 +513,6 @@ def _field_names(name: str, value: Any, kwargs: dict[str, Any]) -> frozenset[str
   unknown = sorted(set(names) - set(kwargs))
   if unknown:
     raise ValueError(
-      f"{name} names {unknown}, which are not passed to apply_gradients "
-      f"(passed: {sorted(kwargs)})."
+      f"{name} names {unknown}, which are not passed to apply_gradients (passed: {sorted(kwargs)})."
     )
   return frozenset(names)

@@ -13,6 +13,7 @@ optimizer's update.
 from __future__ import annotations
 
 from typing import Any
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def select_tree(take_new: jax.Array, new: PyTree, old: PyTree, name: str) -> PyT
   """
   new_leaves, treedef = jax.tree_util.tree_flatten_with_path(new)
   old_leaves, old_treedef = jax.tree_util.tree_flatten(old)
-  if old_treedef != treedef:
+  if cast(Any, old_treedef) != treedef:  # mypy reads jaxlib's PyTreeDef stub as unknown
     raise ValueError(
       f"{name}: the new value's structure {treedef} differs from the old one's "
       f"{old_treedef}; a skipped step must be able to put the old value back."
