@@ -366,3 +366,15 @@ def test_sharded_trainstate_skip_keeps_batch_stats_and_their_sharding(kind, axis
     clean, aux = jax.jit(_linen_step("clean"))(new, clean_x)
     assert int(clean.step) == 1
     assert_bits_equal(clean.batch_stats, aux["batch_stats"])
+
+
+def test_a_field_that_was_none_says_how_to_fix_it():
+  class Lazy(TrainState):
+    batch_stats: dict | None = None
+
+  state = Lazy.create(apply_fn=None, params=jnp.ones(2), tx=optax.sgd(0.1))
+  stats = {"mean": jnp.zeros(2)}
+  with pytest.raises(ValueError, match=r"initial value in TrainState\.create.*replace_on_skip"):
+    state.apply_gradients(grads=jnp.ones(2), batch_stats=stats)
+  new = state.apply_gradients(grads=jnp.ones(2), batch_stats=stats, replace_on_skip="batch_stats")
+  assert new.batch_stats is stats

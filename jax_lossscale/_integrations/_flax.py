@@ -422,7 +422,7 @@ class TrainState(train_state.TrainState):
     fields = {
       name: value
       if name in replaced_anyway or name in static or not hasattr(self, name)
-      else select_tree(finite, value, getattr(self, name), name)
+      else select_tree(finite, value, getattr(self, name), name, _FIELD_HINT.format(name))
       for name, value in kwargs.items()
     }
     new_state = self.replace(
@@ -479,6 +479,12 @@ class TrainState(train_state.TrainState):
 
 # flax.struct sets a plain ``replace`` on each dataclass it makes (this one included).
 TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign, assignment]
+
+#: How to fix a field whose old value cannot be put back on a skipped step.
+_FIELD_HINT = (
+  " Give the field its initial value in TrainState.create (not None), or name it in "
+  "replace_on_skip=({!r},) to replace it whether or not the step is skipped."
+)
 
 #: What changed from Flax's ``DynamicScale.value_and_grad``, for the errors that meet its
 #: unpacking.

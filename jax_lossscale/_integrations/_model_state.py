@@ -34,7 +34,7 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.number, np.bool_, bool, int, float))
 
 
-def select_tree(take_new: jax.Array, new: PyTree, old: PyTree, name: str) -> PyTree:
+def select_tree(take_new: jax.Array, new: PyTree, old: PyTree, name: str, hint: str = "") -> PyTree:
   """``new`` where ``take_new``, else ``old``: one ``jnp.where`` per array leaf.
 
   ``new`` and ``old`` must have the same structure, and each pair of array
@@ -50,7 +50,7 @@ def select_tree(take_new: jax.Array, new: PyTree, old: PyTree, name: str) -> PyT
   if cast(Any, old_treedef) != treedef:  # mypy reads jaxlib's PyTreeDef stub as unknown
     raise ValueError(
       f"{name}: the new value's structure {treedef} differs from the old one's "
-      f"{old_treedef}; a skipped step must be able to put the old value back."
+      f"{old_treedef}; a skipped step must be able to put the old value back.{hint}"
     )
   out = []
   for (path, a), b in zip(new_leaves, old_leaves):
@@ -68,7 +68,7 @@ def select_tree(take_new: jax.Array, new: PyTree, old: PyTree, name: str) -> PyT
     if sa != sb or da != db:
       raise ValueError(
         f"{where}: the new value is {da}{list(sa)}, the old one {db}{list(sb)}; a skipped "
-        "step must be able to put the old value back, so shape and dtype must not change."
+        f"step must be able to put the old value back, so shape and dtype must not change.{hint}"
       )
     out.append(jnp.where(take_new, a, b))
   return jax.tree_util.tree_unflatten(treedef, out)
