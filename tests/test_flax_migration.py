@@ -30,6 +30,8 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def _state(**kwargs):
   return TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.5), **kwargs)
@@ -181,6 +183,11 @@ def test_scaling_switched_off_is_flax_stock_train_state_bit_for_bit():
       np.asarray(off.params["w"]).view(np.uint32), np.asarray(stock.params["w"]).view(np.uint32)
     )
   assert float(off.dynamic_scale.scale) == 1.0
+  # Documented where a Flax user looks: the linen guide, the migration page, the docstring.
+  way = "dynamic_scale=jls.DynamicScaleState.create(init_scale=1.0, dynamic=False)"
+  for page in ("flax-linen.md", "flax-dynamic-scale.md"):
+    assert way in (ROOT / "docs" / "guides" / page).read_text(), page
+  assert "DynamicScaleState.create(init_scale=1.0, dynamic=False)" in TrainState.__doc__
   skipped, _ = off_step(off, xs[0].at[0, 0].set(jnp.inf))
   assert float(skipped.dynamic_scale.scale) == 1.0 and int(skipped.dynamic_scale.skipped_steps) == 1
   np.testing.assert_array_equal(skipped.params["w"], off.params["w"])
@@ -190,7 +197,7 @@ def test_scaling_switched_off_is_flax_stock_train_state_bit_for_bit():
 
 
 def _rule_row(behaviour):
-  text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rule.md").read_text()
+  text = (ROOT / "docs" / "rule.md").read_text()
   header = next(line for line in text.splitlines() if line.startswith("| behaviour |"))
   row = next(line for line in text.splitlines() if line.startswith(f"| {behaviour} |"))
   cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
@@ -227,8 +234,6 @@ def test_rule_table_flax_column_is_what_flax_does():
 
 
 # The smaller findings of the guides.
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs several devices (conftest)")
