@@ -326,3 +326,22 @@ def test_the_migration_page_says_why_growth_comes_one_step_earlier():
   source = pathlib.Path(flax.training.dynamic_scale.__file__).read_text()
   assert "grow = self.fin_steps == self.growth_interval" in source  # the installed Flax's line
   assert _flax_clean_steps_until_growth(4) == 5  # (N+1)-th, as the page says
+
+
+def test_flax_msgpack_serialization_round_trips_the_scale_state():
+  """``flax.serialization.to_bytes``/``from_bytes`` of the TrainState (Flax's msgpack checkpoints)."""
+  import flax.serialization
+
+  state = _state(dynamic_scale=jls.DynamicScaleState.create(growth_interval=3))
+  state = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  state = state.apply_gradients(grads={"w": jnp.ones(2)})
+  target = _state(dynamic_scale=jls.DynamicScaleState.create(growth_interval=3))
+  restored = flax.serialization.from_bytes(target, flax.serialization.to_bytes(state))
+  for name in ("scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"):
+    a, b = getattr(restored.dynamic_scale, name), getattr(state.dynamic_scale, name)
+    assert a.dtype == b.dtype and a.shape == () and a == b, name
+  assert restored.dynamic_scale.config == state.dynamic_scale.config
+  assert float(restored.dynamic_scale.scale) == 32768.0
+  np.testing.assert_array_equal(restored.params["w"], state.params["w"])
+  with pytest.raises(ValueError, match="misses the fields"):
+    flax.serialization.from_state_dict(target.dynamic_scale, {"scale": np.float32(2.0)})

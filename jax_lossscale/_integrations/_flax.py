@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 try:
+  from flax import serialization
   from flax import struct
   from flax.training import train_state
 except ImportError as e:  # pragma: no cover - exercised in a venv without flax
@@ -38,6 +39,7 @@ from jax_lossscale._scaler._rule import update_scale
 from jax_lossscale._scaler._sharding import across_axis
 from jax_lossscale._scaler._sharding import place_like_params
 from jax_lossscale._scaler._skip import skip_step
+from jax_lossscale._scaler._state import DATA_FIELDS
 from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import scale_states
@@ -522,3 +524,27 @@ def _field_names(name: str, value: Any, kwargs: dict[str, Any]) -> frozenset[str
       f"{name} names {unknown}, which are not passed to apply_gradients (passed: {sorted(kwargs)})."
     )
   return frozenset(names)
+
+
+def _scale_state_to_dict(state: DynamicScaleState) -> dict[str, Any]:
+  """Flax serialization: the array fields (the config is static, as Flax's own static fields)."""
+  return {name: getattr(state, name) for name in DATA_FIELDS}
+
+
+def _scale_state_from_dict(target: DynamicScaleState, state: dict[str, Any]) -> DynamicScaleState:
+  """Flax serialization: the target's config, the saved arrays in the target's dtypes."""
+  missing = [name for name in DATA_FIELDS if name not in state]
+  if missing:
+    raise ValueError(f"the saved DynamicScaleState misses the fields {missing}.")
+  return target.replace(
+    **{
+      name: jnp.asarray(state[name], jnp.result_type(getattr(target, name))) for name in DATA_FIELDS
+    }
+  )
+
+
+# Flax's msgpack checkpoints (flax.serialization.to_bytes / from_bytes, to_state_dict) of a
+# TrainState holding the scale state.
+serialization.register_serialization_state(
+  DynamicScaleState, _scale_state_to_dict, _scale_state_from_dict, override=True
+)
