@@ -10,6 +10,7 @@ recompile.
 """
 
 import contextlib
+import sys
 
 import equinox as eqx
 from flax import nnx
@@ -378,3 +379,23 @@ def test_a_field_that_was_none_says_how_to_fix_it():
     state.apply_gradients(grads=jnp.ones(2), batch_stats=stats)
   new = state.apply_gradients(grads=jnp.ones(2), batch_stats=stats, replace_on_skip="batch_stats")
   assert new.batch_stats is stats
+
+
+@pytest.mark.slow
+def test_the_inf_pixel_benchmark_keeps_the_statistics_only_with_the_guard(monkeypatch):
+  """``benchmarks/inf_pixel_batchnorm.py`` in miniature: the two arms differ as its results say."""
+  import importlib.util
+  import pathlib
+
+  pytest.importorskip("sklearn")
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "inf_pixel_batchnorm.py"
+  spec = importlib.util.spec_from_file_location("inf_pixel_batchnorm", path)
+  bench = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+  spec.loader.exec_module(bench)
+  with jax.numpy_dtype_promotion("standard"):  # Flax's float16 BatchNorm is not strict-clean
+    guard = bench.run(0, True, clean_steps=3, after_steps=2, batch=16)
+    no_guard = bench.run(0, False, clean_steps=3, after_steps=2, batch=16)
+  assert guard["stats_kept"] and guard["stats_finite"]
+  assert not no_guard["stats_kept"] and not no_guard["stats_finite"]
+  assert no_guard["after"] == pytest.approx(0.1, abs=0.02)  # one class for every image
