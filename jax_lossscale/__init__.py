@@ -6,7 +6,8 @@ The names a user needs first are the transformations (:func:`dynamic_loss_scale`
 function, with :func:`float32` to keep a region in float32). The scale rule's building blocks (:func:`update_scale`,
 :func:`unscale_and_check`, :func:`all_finite`, :func:`scale_product`,
 :func:`fp16_roundtrip`) stay at the top level too. Interop and tooling live in
-namespaces: :mod:`jax_lossscale.flax` (the TrainState field; needs Flax),
+namespaces: :mod:`jax_lossscale.flax` (the TrainState field; needs Flax, imported on first
+use of ``jax_lossscale.flax``),
 :mod:`jax_lossscale.torch` (``GradScaler.state_dict()``),
 :mod:`jax_lossscale.diagnostics` and :mod:`jax_lossscale.checkpoint`.
 """
@@ -24,6 +25,7 @@ from jax_lossscale._autocast import autocast as autocast
 from jax_lossscale._autocast import autocast_op as autocast_op
 from jax_lossscale._autocast import autocast_policy as autocast_policy
 from jax_lossscale._autocast import float32 as float32
+from jax_lossscale._integrations._model_state import keep_if_skipped as keep_if_skipped
 from jax_lossscale._scaler._accumulation import multi_steps as multi_steps
 from jax_lossscale._scaler._guard import LossScaleError as LossScaleError
 from jax_lossscale._scaler._guard import check_skips as check_skips
@@ -69,6 +71,7 @@ __all__ = (
   "fp16_roundtrip",
   "get_inner_state",
   "get_scale_state",
+  "keep_if_skipped",
   "metrics",
   "multi_steps",
   "no_loss_scale",
@@ -104,8 +107,16 @@ _RENAMED = {
 
 
 def __getattr__(name: str) -> object:
-  """The moved names of :data:`_DEPRECATED` and the renamed ones of :data:`_RENAMED`,
-  with a ``DeprecationWarning``."""
+  """``jax_lossscale.flax`` imported on first use (Flax is an optional extra), and the moved
+  names of :data:`_DEPRECATED` and the renamed ones of :data:`_RENAMED`, with a
+  ``DeprecationWarning``."""
+  if name == "flax":
+    try:
+      return _importlib.import_module("jax_lossscale.flax")
+    except ImportError as e:
+      raise AttributeError(
+        f"jax_lossscale.flax is not available: {e} (pip install 'jax-lossscale[flax]')"
+      ) from e
   module, new = _DEPRECATED.get(name), _RENAMED.get(name)
   if module is not None:
     message = f"jax_lossscale.{name} moved to {module}.{name}"

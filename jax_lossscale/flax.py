@@ -11,7 +11,13 @@ Three ways to use loss scaling with Flax:
   ``DynamicScale``): :class:`TrainState` has a ``dynamic_scale`` field, any
   plain Optax optimizer, and :func:`value_and_grad` returns unscaled
   gradients plus a finiteness flag that :meth:`TrainState.apply_gradients`
-  uses to skip the step.
+  uses to skip the step (keeping ``batch_stats`` and any other field passed
+  to it as they were).
+
+Coming from ``flax.training.dynamic_scale.DynamicScale``: see the guide
+"Coming from Flax's DynamicScale" (the result's order differs, and Flax's skip
+block after ``apply_gradients`` is to be deleted). After ``import
+jax_lossscale as jls``, this module is ``jls.flax`` (imported on first use).
 
 * **A loop you do not own** (NNX: tunix's ``PeftTrainer``, any trainer that builds its
   ``nnx.Optimizer`` and calls ``loss_fn(model, batch)``): wrap the model in

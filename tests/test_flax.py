@@ -353,16 +353,22 @@ def test_the_states_value_and_grad_passes_argnums():
   np.testing.assert_array_equal(out.grads, np.array([2.0, 6.0], np.float32))
 
 
+@pytest.mark.parametrize("replace_on_skip", [(), ("batch_stats",)], ids=["default", "opt-out"])
 @pytest.mark.parametrize("g", [1.0, float("inf")], ids=["finite", "skipped"])
-def test_apply_gradients_replaces_other_fields_on_every_step(g):
+def test_apply_gradients_replaces_other_fields_unless_the_step_is_skipped(g, replace_on_skip):
+  """Other fields are replaced on a finite step and kept on a skipped one (the model state
+  stays with the params), unless named in ``replace_on_skip``."""
   state = _StateWithFields.create(
     apply_fn=None,
     params={"w": jnp.ones(2)},
     tx=optax.sgd(0.5),
     batch_stats={"mean": jnp.zeros(2)},
   )
-  new = state.apply_gradients(grads={"w": jnp.full(2, g)}, batch_stats={"mean": jnp.ones(2)})
-  np.testing.assert_array_equal(new.batch_stats["mean"], np.ones(2, np.float32))
+  new = state.apply_gradients(
+    grads={"w": jnp.full(2, g)}, batch_stats={"mean": jnp.ones(2)}, replace_on_skip=replace_on_skip
+  )
+  replaced = g == 1.0 or bool(replace_on_skip)
+  np.testing.assert_array_equal(new.batch_stats["mean"], np.full(2, float(replaced), np.float32))
   assert int(new.step) == (1 if g == 1.0 else 0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 try:
+  from flax import serialization
   from flax import struct
   from flax.training import train_state
 except ImportError as e:  # pragma: no cover - exercised in a venv without flax
@@ -19,6 +21,7 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without flax
     "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
   ) from e
 
+from jax_lossscale._integrations._model_state import select_tree
 from jax_lossscale._scaler._fp8 import gradient_leaves
 from jax_lossscale._scaler._fp8 import join_variables
 from jax_lossscale._scaler._fp8 import map_gradients
@@ -36,6 +39,7 @@ from jax_lossscale._scaler._rule import update_scale
 from jax_lossscale._scaler._sharding import across_axis
 from jax_lossscale._scaler._sharding import place_like_params
 from jax_lossscale._scaler._skip import skip_step
+from jax_lossscale._scaler._state import DATA_FIELDS
 from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import scale_states
@@ -78,12 +82,14 @@ def value_and_grad(
 ) -> Callable[..., ScaledValueAndGrad]:
   """``jax.value_and_grad`` of the scaled loss, returning unscaled gradients.
 
-  The functional counterpart of Flax's ``DynamicScale.value_and_grad``: the
-  returned function differentiates ``scale * fun(...)`` (in float32 at
-  least, see :func:`jax_lossscale.scale_loss`), then unscales the gradients
-  and checks them for inf/NaN in one pass. The scaler state is only read;
-  advance it with :func:`jax_lossscale.update_scale` (done by
-  :meth:`TrainState.apply_gradients`). Pure ``jnp``: use it inside ``jit``.
+  What Flax's ``DynamicScale.value_and_grad`` does, as a function of the
+  state: the returned function differentiates ``scale * fun(...)`` (in
+  float32 at least, see :func:`jax_lossscale.scale_loss`), then unscales the
+  gradients and checks them for inf/NaN in one pass. Unlike Flax's, the
+  scaler state is only read, not advanced (:meth:`TrainState.apply_gradients`
+  advances it, with :func:`jax_lossscale.update_scale`), and the result is
+  ``(value, aux, grads, finite)``, not Flax's ``(dynamic_scale, finite, aux,
+  grad)``: read it by name. Pure ``jnp``: use it inside ``jit``.
 
   Args:
     fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -165,8 +171,14 @@ class TrainState(train_state.TrainState):
   in the optimizer), compute gradients with :meth:`value_and_grad` (or
   :func:`value_and_grad`) and call :meth:`apply_gradients` with their
   ``finite`` flag. A step with non-finite gradients is skipped with
-  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params`` and
-  ``opt_state`` stay bit-identical, and the scale backs off.
+  ``jnp.where`` (no ``lax.cond``, no host sync): ``step``, ``params``,
+  ``opt_state`` and every field passed to :meth:`apply_gradients` (the
+  model's ``batch_stats``) stay bit-identical, and the scale backs off.
+
+  Scaling switched off (Flax's ``dynamic_scale=None``) is
+  ``dynamic_scale=DynamicScaleState.create(init_scale=1.0, dynamic=False)``:
+  exact, and non-finite steps are still skipped. ``dynamic_scale=None``
+  here means torch's default scaler.
 
   ``tx`` is initialised (and updated) with float16/bfloat16 params promoted
   to float32, as :func:`jax_lossscale.dynamic_loss_scale` does, so its state
@@ -321,25 +333,76 @@ class TrainState(train_state.TrainState):
     return wrapped
 
   def apply_gradients(
-    self, *, grads: optax.Updates, finite: ArrayLike | None = None, **kwargs: Any
+    self,
+    *,
+    grads: optax.Updates,
+    finite: ArrayLike | None = None,
+    replace_on_skip: str | Sequence[str] = (),
+    **kwargs: Any,
   ) -> TrainState:
     """Applies unscaled gradients unless they are non-finite; updates the scale.
+
+    A skipped step leaves the whole state as it was, except the scaler (which
+    backs off and counts the skip): ``step``, ``params``, ``opt_state`` and
+    every field passed in ``kwargs`` (``batch_stats``, any other collection
+    the forward pass returned beside the gradients) are bit-identical to
+    this state's. Each is selected with ``jnp.where`` (no ``lax.cond``, no
+    host sync). Without that, one batch holding an inf would leave NaN
+    running statistics for good.
 
     Args:
       grads: the *unscaled* gradients (``value_and_grad(...).grads``).
       finite: bool scalar from :func:`value_and_grad`; if ``None`` it is
         computed here with :func:`jax_lossscale.all_finite`.
-      **kwargs: other fields to replace (e.g. ``batch_stats``); they are
-        replaced whether or not the step is skipped.
+      replace_on_skip: names of ``kwargs`` fields replaced even on a skipped
+        step, e.g. ``("batch_stats",)`` to keep the statistics of a batch
+        whose forward pass was finite but whose backward overflowed. A single
+        name may be given as a string.
+      **kwargs: other fields to replace (e.g. ``batch_stats``). Their new
+        values must have the old ones' structure, shapes and dtypes (a
+        skipped step puts the old ones back). Static fields (``apply_fn``,
+        ``pytree_node=False``) cannot depend on a traced decision: they are
+        replaced.
 
     Returns:
-      TrainState: the new state. On a finite step ``step + 1`` and updated ``params`` and
-      ``opt_state``; on a skipped step those three bit-identical. In both
-      cases ``dynamic_scale`` advanced by :func:`jax_lossscale.update_scale`.
+      TrainState: the new state. On a finite step ``step + 1`` and updated
+      ``params`` and ``opt_state``, and the ``kwargs`` fields replaced; on a
+      skipped step all of those bit-identical (but the ``replace_on_skip``
+      fields). In both cases ``dynamic_scale`` advanced by
+      :func:`jax_lossscale.update_scale`.
 
     Raises:
-      ValueError: if ``finite`` is not a boolean scalar.
+      TypeError: ``grads`` is a boolean scalar (the ``finite`` flag, as from
+        unpacking :class:`ScaledValueAndGrad` in the order of Flax's
+        ``DynamicScaleResult``); ``replace_on_skip`` is not a name or a
+        sequence of names.
+      ValueError: ``finite`` is not a boolean scalar; ``replace_on_skip``
+        names a field not passed in ``kwargs``; a field's new value differs
+        from the old one in structure, shape or dtype.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from jax_lossscale.flax import TrainState
+      >>> from flax import struct
+      >>> class BNState(TrainState):
+      ...   batch_stats: dict = struct.field(default_factory=dict)
+      >>> state = BNState.create(apply_fn=None, params=jnp.ones(2), tx=optax.sgd(0.1),
+      ...                        batch_stats={"mean": jnp.zeros(2)})
+      >>> nan_stats = {"mean": jnp.array([jnp.nan, 0.5])}  # a batch with an inf pixel
+      >>> skipped = state.apply_gradients(grads=jnp.array([jnp.nan, 1.0]),
+      ...                                 batch_stats=nan_stats)
+      >>> skipped.batch_stats["mean"], int(skipped.step)
+      (Array([0., 0.], dtype=float32), 0)
+      >>> kept = state.apply_gradients(grads=jnp.array([jnp.inf, 1.0]), batch_stats=nan_stats,
+      ...                              replace_on_skip="batch_stats")
+      >>> kept.batch_stats["mean"]
+      Array([nan, 0.5], dtype=float32)
     """
+    if _is_finite_flag(grads):
+      raise TypeError(
+        "grads is a boolean scalar: it looks like the `finite` flag. " + _UNPACKING_CHANGED
+      )
+    replaced_anyway = _field_names("replace_on_skip", replace_on_skip, kwargs)
     if finite is None:
       refuse_complex(grads)
       finite = all_finite(gradient_leaves(grads))
@@ -357,10 +420,131 @@ class TrainState(train_state.TrainState):
     new_params, opt_state = skip_step(
       finite, new_params, self.params, new_opt_state, self.opt_state
     )
-    return self.replace(
+    static = {f.name for f in dataclasses.fields(self) if not f.metadata.get("pytree_node", True)}
+    fields = {
+      name: value
+      if name in replaced_anyway or name in static or not hasattr(self, name)
+      else select_tree(finite, value, getattr(self, name), name, _FIELD_HINT.format(name))
+      for name, value in kwargs.items()
+    }
+    new_state = self.replace(
       step=jnp.where(finite, optax.safe_int32_increment(self.step), self.step),
       params=new_params,
       opt_state=opt_state,
       dynamic_scale=update_scale(self.dynamic_scale, finite),
-      **kwargs,
+      **fields,
     )
+    # Remembered (not a field: no pytree leaf, gone after a jit boundary) so that
+    # replace() can refuse writing this step's stale scale state back.
+    object.__setattr__(new_state, "_scale_before_step", self.dynamic_scale)
+    return new_state
+
+  def __init_subclass__(cls, **kwargs: Any) -> None:
+    super().__init_subclass__(**kwargs)  # flax.struct's: makes cls a dataclass, sets replace
+    cls.replace = cls._checked_replace  # type: ignore[method-assign, assignment]
+
+  def _checked_replace(self, **updates: Any) -> TrainState:
+    """A copy with the given fields replaced (Flax's ``replace``), checking ``dynamic_scale``.
+
+    :meth:`apply_gradients` already skips the step and advances the scale, so
+    Flax's skip block (``new_state.replace(params=jnp.where(is_fin, ...),
+    ..., dynamic_scale=dynamic_scale)``) is to be deleted. Kept, it would
+    write the scale state of before the step back, and the scale would never
+    back off: that is refused here, on the state :meth:`apply_gradients`
+    returned.
+
+    Raises:
+      TypeError: ``dynamic_scale`` is not a :class:`DynamicScaleState`.
+      ValueError: ``dynamic_scale`` is the scale state that the step which
+        made this state started from.
+    """
+    if "dynamic_scale" in updates:
+      ds = updates["dynamic_scale"]
+      if not isinstance(ds, DynamicScaleState):
+        hint = " " + _UNPACKING_CHANGED if hasattr(ds, "dtype") else ""
+        raise TypeError(
+          f"dynamic_scale must be a jax_lossscale.DynamicScaleState, got {type(ds).__name__}."
+          + hint
+        )
+      before = self.__dict__.get("_scale_before_step")
+      if before is not None and _same_leaves(ds, before):
+        raise ValueError(
+          "dynamic_scale: this writes back the scale state from before apply_gradients, "
+          "which would undo its update (the scale would never back off). "
+          "jax_lossscale.flax.TrainState.apply_gradients already skips a non-finite step "
+          "and advances dynamic_scale: delete Flax's `new_state.replace(opt_state=jnp.where"
+          "(is_fin, ...), params=..., dynamic_scale=...)` block (see the guide 'Coming from "
+          "Flax's DynamicScale')."
+        )
+    return dataclasses.replace(self, **updates)
+
+
+# flax.struct sets a plain ``replace`` on each dataclass it makes (this one included).
+TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign, assignment]
+
+#: How to fix a field whose old value cannot be put back on a skipped step.
+_FIELD_HINT = (
+  " Give the field its initial value in TrainState.create (not None), or name it in "
+  "replace_on_skip=({!r},) to replace it whether or not the step is skipped."
+)
+
+#: What changed from Flax's ``DynamicScale.value_and_grad``, for the errors that meet its
+#: unpacking.
+_UNPACKING_CHANGED = (
+  "Flax's DynamicScale.value_and_grad returns (dynamic_scale, is_fin, aux, grads); "
+  "jax_lossscale.flax's value_and_grad returns ScaledValueAndGrad(value, aux, grads, "
+  "finite), in another order and without a new scale state (apply_gradients advances it). "
+  "Read it by name: out = state.value_and_grad(loss_fn, has_aux=True)(state.params); "
+  "state = state.apply_gradients(grads=out.grads, finite=out.finite, ...). See the guide "
+  "'Coming from Flax's DynamicScale'."
+)
+
+
+def _is_finite_flag(x: Any) -> bool:
+  """Whether ``x`` is a lone boolean scalar (a ``finite`` flag, not gradients)."""
+  return hasattr(x, "dtype") and x.dtype == jnp.bool_ and jnp.shape(x) == ()
+
+
+def _same_leaves(a: DynamicScaleState, b: DynamicScaleState) -> bool:
+  """Whether two scale states hold the very same leaf objects (one is the other's copy)."""
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
+
+
+def _field_names(name: str, value: Any, kwargs: dict[str, Any]) -> frozenset[str]:
+  """``value`` (a field name or a sequence of them) as a set, each one a key of ``kwargs``."""
+  names = (value,) if isinstance(value, str) else value
+  if not isinstance(names, (tuple, list, set, frozenset)) or not all(
+    isinstance(n, str) for n in names
+  ):
+    raise TypeError(f"{name} must be a field name or a sequence of them, got {value!r}.")
+  unknown = sorted(set(names) - set(kwargs))
+  if unknown:
+    raise ValueError(
+      f"{name} names {unknown}, which are not passed to apply_gradients (passed: {sorted(kwargs)})."
+    )
+  return frozenset(names)
+
+
+def _scale_state_to_dict(state: DynamicScaleState) -> dict[str, Any]:
+  """Flax serialization: the array fields (the config is static, as Flax's own static fields)."""
+  return {name: getattr(state, name) for name in DATA_FIELDS}
+
+
+def _scale_state_from_dict(target: DynamicScaleState, state: dict[str, Any]) -> DynamicScaleState:
+  """Flax serialization: the target's config, the saved arrays in the target's dtypes."""
+  missing = [name for name in DATA_FIELDS if name not in state]
+  if missing:
+    raise ValueError(f"the saved DynamicScaleState misses the fields {missing}.")
+  return target.replace(
+    **{
+      name: jnp.asarray(state[name], jnp.result_type(getattr(target, name))) for name in DATA_FIELDS
+    }
+  )
+
+
+# Flax's msgpack checkpoints (flax.serialization.to_bytes / from_bytes, to_state_dict) of a
+# TrainState holding the scale state.
+serialization.register_serialization_state(
+  DynamicScaleState, _scale_state_to_dict, _scale_state_from_dict, override=True
+)

@@ -238,6 +238,18 @@ class DynamicScaleState:
     """A copy with the given fields replaced."""
     return dataclasses.replace(self, **changes)
 
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for a missing attribute: the one Flax users reach for gets directions.
+    if name == "value_and_grad":
+      raise AttributeError(
+        "DynamicScaleState has no value_and_grad: unlike Flax's DynamicScale it is only "
+        "the state. Use jax_lossscale.flax.TrainState.value_and_grad (or "
+        "jax_lossscale.flax.value_and_grad(fun, state)), which returns "
+        "ScaledValueAndGrad(value, aux, grads, finite); apply_gradients then skips and "
+        "advances the scale. See the guide 'Coming from Flax's DynamicScale'."
+      )
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
 
 jax.tree_util.register_dataclass(
   DynamicScaleState, data_fields=list(DATA_FIELDS), meta_fields=["config"]
