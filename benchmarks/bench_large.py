@@ -94,6 +94,15 @@ class Built(NamedTuple):
   compile_s: float
   memory: dict[str, Any]
   notes: Callable[[], dict[str, Any]]
+  attention: str = ""
+
+
+def attention_of(hlo: str) -> str:
+  """Which attention a compiled step got, read from its optimized HLO."""
+  kernels = hlo.count('custom_call_target="__cudnn$fmha')
+  if kernels:
+    return f"cuDNN fused attention ({kernels} custom calls)"
+  return "XLA attention (einsum and softmax kernels)"
 
 
 # ----------------------------------------------------------------------------- JAX
@@ -284,7 +293,8 @@ def build_jax(make, params, x, y, warmup: int) -> Built:
 
   run(warmup)
   memory["process_peak_bytes_after_warmup"] = _device_peak()
-  return Built(run, compile_s, memory, lambda: notes(holder["state"]))
+  attention = attention_of(compiled.as_text())
+  return Built(run, compile_s, memory, lambda: notes(holder["state"]), attention)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -445,6 +455,8 @@ def run_all(args) -> dict[str, Any]:
       else:
         raise ValueError(f"unknown variant {name!r}; known: {list(labels)}")
       log(f"{name:20s} compiled in {built[name].compile_s:6.1f}s  {built[name].memory}")
+      if built[name].attention:
+        log(f"{name:20s} attention: {built[name].attention}")
     except Exception as e:
       skipped[name] = f"failed: {type(e).__name__}: {e}"[:500]
       log(f"{name}: FAILED\n{traceback.format_exc()}")
@@ -482,6 +494,8 @@ def run_all(args) -> dict[str, Any]:
       "final_loss": losses[n],
       "final": built[n].notes(),
     }
+    if built[n].attention:
+      results[n]["attention"] = built[n].attention
   info["wall_s"] = time.perf_counter() - T0
   return {
     "kind": "gpu-large",
