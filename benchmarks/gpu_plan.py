@@ -217,7 +217,8 @@ _HOST_OPS = {"send", "recv", "infeed", "outfeed", "send-done", "recv-done"}
 class Kernel:
   """One kernel launch of the plan (a fusion, a custom call, a copy...), per execution.
 
-  ``count``: how many times a step launches it (the trip counts of its enclosing loops).
+  ``count``: how many times a step launches it (the trip counts of its enclosing loops; 0 in
+  the body of a loop of unknown trip count, which is priced as not taken).
   ``bytes_read``: its operands, where a fusion reads only a slice of one (a scan's
   ``dynamic-slice``) that slice, and not the buffer it updates in place (a
   ``dynamic-update-slice``); ``bytes_written``: its output (the update, for an in-place
@@ -401,7 +402,9 @@ def _kernels(text: str) -> tuple[list[Kernel], list[str]]:
           host.append(
             f"{ins.name}: while without a known trip count (its predicate read by the host)"
           )
-        n = int(trip.group(1)) if trip else 1
+        # Unknown trip count: priced as a loop not taken (its condition once, its body never),
+        # the case of jls.retry_on_overflow's loop when nothing overflows.
+        n = int(trip.group(1)) if trip else 0
         for c in _called(ins.attrs, "condition"):
           walk(c, count * (n + 1))
         for c in _called(ins.attrs, "body"):

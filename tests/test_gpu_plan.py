@@ -205,10 +205,13 @@ def test_scaler_costs_one_read_of_the_gradients(scaled, reference, target):
   assert s.find(lambda k: k.opcode == "copy" and k.bytes_written >= 4 * 768 * 768) == []
   # No more temporary memory than the check's per-block flags and the scaler's scalars.
   assert s.temp_bytes <= r.temp_bytes + TEMP_SLACK, (s.temp_bytes, r.temp_bytes)
-  # The skip is fused into AdamW's kernels: as many of them, each with its select, and no
-  # kernel of parameter size that only selects.
+  # The skip is fused into AdamW's kernels: each with its select, writing no more than the
+  # reference's (XLA may group the leaves into fewer kernels), and no kernel of parameter size
+  # that only selects.
   adam_s, adam_r = _adam_kernels(s), _adam_kernels(r)
-  assert len(adam_s) == len(adam_r) > 0
+  assert adam_s and adam_r
+  written = lambda ks: sum(k.bytes_written * k.count for k in ks)
+  assert written(adam_s) <= written(adam_r) + EXTRA_WRITE * N_PARAMS
   assert all("select" in k.body.split() for k in adam_s), [k.name for k in adam_s]
   extra, _ = gpu_plan.diff(s, r)
   lone = [
