@@ -221,11 +221,13 @@ def autocast_variants(
   of the hand-cast model a no-op), run under ``jls.autocast(..., float16 or bfloat16)``.
   Its attention (``attention=None``) is ``jax.nn.dot_product_attention(...,
   implementation=None)``, which autocast runs as one lower-precision op (torch's
-  ``scaled_dot_product_attention``): on a GPU it takes cuDNN's fused kernel for the half
-  inputs, the kernel of the hand-cast variants' default ``--attention cudnn``; on a CPU
-  the XLA implementation in float32, returned in the half dtype. ``attention="xla"``
-  (``--attention xla``, or cuDNN failing): the einsum attention, as the hand-cast
-  variants'. Empty where the installed package has no ``autocast``.
+  ``scaled_dot_product_attention``): lowered for CUDA it takes cuDNN's fused kernel for the
+  half inputs, the kernel of the hand-cast variants' default ``--attention cudnn`` (where
+  cuDNN cannot, JAX's XLA implementation, and the reason is logged); lowered for the CPU the
+  XLA implementation in float32, returned in the half dtype. Each variant's log says which
+  attention its compiled step got. ``attention="xla"`` (``--attention xla``): the einsum
+  attention, as the hand-cast variants'. Empty where the installed package has no
+  ``autocast``.
   """
   if not hasattr(jls, "autocast"):
     return {}
