@@ -298,3 +298,11 @@ def test_autocast_emits_the_handcast_cudnn_attention():
   assert a.summary()["float32_dot_flops"] <= h.summary()["float32_dot_flops"]
   assert a.temp_bytes <= h.temp_bytes, (a.temp_bytes, h.temp_bytes)
   assert a.host_round_trips == []
+
+
+def test_einsum_attention_backward_has_no_float32_dot():
+  """bench_gpt's einsum attention: its backward dots in float16 with float32 accumulation (as
+  torch's), not on the scores' float32 cotangent (JAX's transpose: 2 float32 dots a layer)."""
+  p = plan("float16")
+  assert p.summary()["float32_dot_flops"] == 0
+  assert p.summary()["dot_flops"] > 0
