@@ -15,6 +15,7 @@ help:
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
+	@echo "make gpu-plan    - bench_large's variants compiled for an H200 and a V100 without a GPU: kernels, bytes, temporaries, host round trips, predicted ratios (benchmarks/results/gpu-plan-*)"
 	@echo "make gpu-bench-retry - whether a retry_on_overflow step makes the host wait (for a GPU machine)"
 	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (~40 min from scratch on 2 cores; later runs reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run (its report: .mutate-cache/mutation-report-sized.md)"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
@@ -104,6 +105,23 @@ gpu-bench-large:
 # writes retry-sync-gpu.md to $(BENCH_OUT).
 gpu-bench-retry:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_retry_sync.py --model gpt --out $(BENCH_OUT)
+
+# The GPU plan (benchmarks/gpu_plan.py): JAX's CUDA plugin, pinned to the installed jaxlib's
+# version, makes a compile-only GPU from a target description (benchmarks/gpu_targets/): no
+# GPU, driver or CUDA libraries needed; CUDA 12's ptxas comes with it (CUDA 13's has no
+# sm_70). `make test` installs it too: tests/test_gpu_plan.py runs in CI (CI=1 requires it).
+.PHONY: gpu-plan
+GPU_PLAN_STAMP := $(VENV)/.installed-gpu-plan
+
+$(GPU_PLAN_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[gpu-plan]" "jax-cuda12-plugin==$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)')"
+	touch $(GPU_PLAN_STAMP)
+
+test: $(GPU_PLAN_STAMP)
+
+# Writes gpu-plan-h200.{md,json} and gpu-plan-v100.{md,json} to $(BENCH_OUT) (~10 min on 2 cores).
+gpu-plan: $(GPU_PLAN_STAMP)
+	$(PY) benchmarks/gpu_plan_report.py --out $(BENCH_OUT)
 
 MUTATE_STAMP := $(VENV)/.installed-mutate
 

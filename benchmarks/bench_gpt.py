@@ -95,6 +95,32 @@ def _layernorm(h, scale, bias, dtype):
   return ((h - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias).astype(dtype)
 
 
+@jax.custom_vjp
+def _scores(q, k):
+  """``q . k`` over the head dim, ``(b, h, q, k)``, accumulated and returned in float32.
+
+  Its backward runs in the inputs' dtype with float32 accumulation, as torch's matmul backward
+  under autocast (the float32 cotangent of the scores cast to float16 first): without it, JAX's
+  transpose would run both backward dots on the float32 cotangent, in float32.
+  """
+  return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+
+
+def _scores_fwd(q, k):
+  return _scores(q, k), (q, k)
+
+
+def _scores_bwd(res, g):
+  q, k = res
+  g = g.astype(q.dtype)
+  dq = jnp.einsum("bhqk,bkhd->bqhd", g, k, preferred_element_type=jnp.float32)
+  dk = jnp.einsum("bhqk,bqhd->bkhd", g, q, preferred_element_type=jnp.float32)
+  return dq.astype(q.dtype), dk.astype(k.dtype)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
 def _attention(q, k, v, implementation):
   """Causal attention of ``(batch, seq, heads, head_dim)`` arrays, softmax in float32.
 
@@ -105,7 +131,7 @@ def _attention(q, k, v, implementation):
   """
   if implementation == "xla":
     t, dh = q.shape[1], q.shape[-1]
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = _scores(q, k)
     logits = logits * np.float32(1 / np.sqrt(dh))
     mask = jnp.tril(jnp.ones((t, t), bool))
     logits = jnp.where(mask, logits, np.float32(-1e9))

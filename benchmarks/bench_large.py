@@ -94,6 +94,15 @@ class Built(NamedTuple):
   compile_s: float
   memory: dict[str, Any]
   notes: Callable[[], dict[str, Any]]
+  attention: str = ""
+
+
+def attention_of(hlo: str) -> str:
+  """Which attention a compiled step got, read from its optimized HLO."""
+  kernels = hlo.count('custom_call_target="__cudnn$fmha')
+  if kernels:
+    return f"cuDNN fused attention ({kernels} custom calls)"
+  return "XLA attention (einsum and softmax kernels)"
 
 
 # ----------------------------------------------------------------------------- JAX
@@ -212,11 +221,13 @@ def autocast_variants(
   of the hand-cast model a no-op), run under ``jls.autocast(..., float16 or bfloat16)``.
   Its attention (``attention=None``) is ``jax.nn.dot_product_attention(...,
   implementation=None)``, which autocast runs as one lower-precision op (torch's
-  ``scaled_dot_product_attention``): on a GPU it takes cuDNN's fused kernel for the half
-  inputs, the kernel of the hand-cast variants' default ``--attention cudnn``; on a CPU
-  the XLA implementation in float32, returned in the half dtype. ``attention="xla"``
-  (``--attention xla``, or cuDNN failing): the einsum attention, as the hand-cast
-  variants'. Empty where the installed package has no ``autocast``.
+  ``scaled_dot_product_attention``): lowered for CUDA it takes cuDNN's fused kernel for the
+  half inputs, the kernel of the hand-cast variants' default ``--attention cudnn`` (where
+  cuDNN cannot, JAX's XLA implementation, and the reason is logged); lowered for the CPU the
+  XLA implementation in float32, returned in the half dtype. Each variant's log says which
+  attention its compiled step got. ``attention="xla"`` (``--attention xla``): the einsum
+  attention, as the hand-cast variants'. Empty where the installed package has no
+  ``autocast``.
   """
   if not hasattr(jls, "autocast"):
     return {}
@@ -284,7 +295,8 @@ def build_jax(make, params, x, y, warmup: int) -> Built:
 
   run(warmup)
   memory["process_peak_bytes_after_warmup"] = _device_peak()
-  return Built(run, compile_s, memory, lambda: notes(holder["state"]))
+  attention = attention_of(compiled.as_text())
+  return Built(run, compile_s, memory, lambda: notes(holder["state"]), attention)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -445,6 +457,8 @@ def run_all(args) -> dict[str, Any]:
       else:
         raise ValueError(f"unknown variant {name!r}; known: {list(labels)}")
       log(f"{name:20s} compiled in {built[name].compile_s:6.1f}s  {built[name].memory}")
+      if built[name].attention:
+        log(f"{name:20s} attention: {built[name].attention}")
     except Exception as e:
       skipped[name] = f"failed: {type(e).__name__}: {e}"[:500]
       log(f"{name}: FAILED\n{traceback.format_exc()}")
@@ -482,6 +496,8 @@ def run_all(args) -> dict[str, Any]:
       "final_loss": losses[n],
       "final": built[n].notes(),
     }
+    if built[n].attention:
+      results[n]["attention"] = built[n].attention
   info["wall_s"] = time.perf_counter() - T0
   return {
     "kind": "gpu-large",

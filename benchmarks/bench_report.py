@@ -221,6 +221,8 @@ def autocast_lines(results: list[dict[str, Any]]) -> list[str]:
 def markdown(payload: dict[str, Any]) -> str:
   if payload.get("kind") == "gpu-large":
     return large_markdown(payload)
+  if payload.get("kind") == "gpu-plan":
+    return plan_markdown(payload)
   info, settings, results = payload["machine"], payload["settings"], payload["results"]
   variants = shown_variants(payload)
   lines = [
@@ -350,4 +352,47 @@ def large_markdown(payload: dict[str, Any]) -> str:
   if payload.get("skipped"):
     lines += ["", "Left out or changed:", ""]
     lines += [f"- `{k}`: {v}" for k, v in payload["skipped"].items()]
+  return "\n".join(lines) + "\n"
+
+
+def plan_markdown(payload: dict[str, Any]) -> str:
+  """``make gpu-plan``'s report: the compiled program's kernels, bytes and predicted ratios."""
+  t, settings, results = payload["target"], payload["settings"], payload["results"]
+  m = settings["model"]
+  lo, hi = (str(x) for x in settings["mfu"])
+  lines = [
+    f"# GPU plan: {t['label']}, predicted from the compiled program",
+    "",
+    f"**{payload['limits']}**",
+    "",
+    f"Target `{t['file']}`: {t['bandwidth'] / 1e12:.2f} TB/s, {t['half_flops'] / 1e12:.1f} "
+    f"TFLOP/s half-precision dots, {t['float32_flops'] / 1e12:.1f} TFLOP/s float32 dots "
+    f"(published figures). Model: GPT-2 small shapes ({m['layers']} layers, d_model "
+    f"{m['d_model']}, sequence {m['seq']}, vocab {m['vocab']}, batch {m['batch']}; "
+    f"{settings['params'] / 1e6:.1f}M params, {settings['tokens_per_step']} tokens a step), "
+    f"AdamW, jax {settings['jax']}. Predicted step: each kernel's roofline (its dots at "
+    f"{float(lo):.0%} or {float(hi):.0%} of the peak for their dtype, else its bytes at the "
+    "bandwidth), summed; ratio to the float16 step's.",
+    "",
+    "| model | variant | attention | kernels (launches) | GB read | GB written | "
+    "extra B/param read | temporaries GB | host round trips | "
+    f"predicted ms ({float(lo):.0%}..{float(hi):.0%}) | predicted ratio |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  model = f"GPT-2 small widths, {m['layers']} layers"
+  for name, r in results.items():
+    ms = r["predicted_ms"]
+    ratio = r.get("ratio", {})
+    extra = r.get("extra_bytes_per_param", {})
+    host = "; ".join(r["host_round_trips"]) or "none"
+    lines.append(
+      f"| {model} | {name} | {r['attention']} | {r['kernels']} ({r['launches']}) | "
+      f"{r['bytes_read'] / 1e9:.2f} | {r['bytes_written'] / 1e9:.2f} | "
+      f"{extra.get('read', 0.0):+.2f} | {r['temp_bytes'] / 1e9:.2f} | {host} | "
+      f"{ms[lo]:.1f}..{ms[hi]:.1f} | "
+      + (f"{ratio[lo]:.4f}..{ratio[hi]:.4f}" if ratio else "-")
+      + " |"
+    )
+  for name, note in payload.get("notes", {}).items():
+    lines += ["", f"- {name}: {note}"]
   return "\n".join(lines) + "\n"

@@ -83,6 +83,7 @@ REQUIRED_IN_CI = (
   "jraph",
   "transformers",
   "yaml",
+  "jax_plugins",  # jax-cuda12-plugin (the gpu-plan extra): tests/test_gpu_plan.py
 )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
+from jax_lossscale._autocast._attention import attention as routed_attention
 from jax_lossscale._autocast._errors import AutocastError
 from jax_lossscale._autocast._interpreter import OP_MARK
 from jax_lossscale._autocast._interpreter import Facts
@@ -280,26 +281,9 @@ def _attention(original: Callable[..., Any]) -> Callable[..., Any]:
   def impl(
     query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, **kwargs: Any
   ) -> Any:
+    # The kernel is chosen by the platform the step is lowered for (see _attention.py).
     implementation = kwargs.pop("implementation", None)
-    half = np.dtype(query.dtype) in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-    # JAX's own attention mixes dtypes internally (its float32 softmax), so it runs under
-    # JAX's standard promotion whatever the caller's mode.
-    with jax.numpy_dtype_promotion("standard"):
-      if implementation is None and half and jax.default_backend() == "gpu":
-        try:  # cuDNN's fused kernel where it takes these shapes, as torch's SDPA picks flash
-          return original(query, key, value, bias, mask, implementation="cudnn", **kwargs)
-        except Exception:
-          pass
-      if half and jax.default_backend() == "cpu":
-        # XLA:CPU compiles no float16 contraction with float32 accumulation (the XLA
-        # implementation's einsum): computed in float32, returned in the input's dtype.
-        up = [
-          None if a is None else a.astype(jnp.float32) if is_eligible(a.dtype) else a
-          for a in (query, key, value, bias)
-        ]
-        out = original(*up[:3], up[3], mask, implementation=implementation, **kwargs)
-        return jax.tree.map(lambda o: o.astype(query.dtype), out)
-      return original(query, key, value, bias, mask, implementation=implementation, **kwargs)
+    return routed_attention(original, query, key, value, bias, mask, implementation, kwargs)
 
   impl.__name__ = "dot_product_attention"
   return _op_wrapper(impl, LOWER, 0)

@@ -1,0 +1,127 @@
+"""Autocast's ``jax.nn.dot_product_attention``: its kernel chosen by the platform it is lowered for.
+
+A step traced on this CPU machine and lowered for CUDA (``jax.export`` with
+``platforms=["cuda"]``; no GPU or CUDA plugin needed) must get cuDNN's fused attention, as on a
+GPU; lowered for the CPU, the XLA implementation in float32. ``implementation=None`` falls
+back to the XLA implementation where cuDNN cannot take the inputs, as JAX's does, and logs
+why; an explicit ``implementation="cudnn"`` that cannot be met raises, as JAX's does.
+"""
+
+import contextlib
+import logging
+
+import jax
+from jax._src.cudnn import fused_attention_stablehlo
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+
+CUDNN = "__cudnn$fmha"
+
+
+@contextlib.contextmanager
+def cudnn_version(version=91000):
+  """JAX's trace-time cuDNN version check answered (this machine has no cuDNN)."""
+  saved = fused_attention_stablehlo.check_cudnn_version
+  fused_attention_stablehlo.check_cudnn_version = lambda: version
+  try:
+    yield
+  finally:
+    fused_attention_stablehlo.check_cudnn_version = saved
+
+
+def _qkv(head_dim=64):
+  rng = np.random.default_rng(0)
+  return [jnp.asarray(rng.normal(size=(2, 128, 4, head_dim)), jnp.float32) for _ in range(3)]
+
+
+def _model(**kwargs):
+  def f(q, k, v):
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, **kwargs)
+    return jnp.sum(out.astype(jnp.float32))
+
+  return f
+
+
+def _lowered(fun, args, platform):
+  """The StableHLO text of ``jit(fun)`` lowered for ``platform``, with its gradient."""
+  step = jax.jit(jax.value_and_grad(fun, argnums=(0, 1, 2)))
+  return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_lowered_for_cuda_gets_cudnn_fused_attention_from_a_cpu_host():
+  assert jax.default_backend() == "cpu"
+  with cudnn_version():
+    text = _lowered(jls.autocast(_model(), jnp.float16), _qkv(), "cuda")
+  # The forward and the backward kernel, on float16 inputs.
+  assert f'"{CUDNN}Softmax"' in text or f"{CUDNN}" in text
+  assert text.count(CUDNN) >= 2
+  assert "Backward" in text
+  assert "xf16>" in text
+
+
+def test_lowered_for_the_cpu_gets_the_float32_xla_attention():
+  with cudnn_version():
+    text = _lowered(jls.autocast(_model(), jnp.float16), _qkv(), "cpu")
+  assert CUDNN not in text
+  # XLA:CPU's attention computes in float32 (its einsums' operands are float32).
+  assert "stablehlo.dot_general" in text
+
+
+def test_lowered_for_cuda_falls_back_to_xla_and_logs_why(caplog):
+  caplog.set_level(logging.INFO, logger="jax_lossscale.autocast")
+  with cudnn_version():  # a head dim of 12 is no multiple of 8: cuDNN cannot take it
+    text = _lowered(jls.autocast(_model(), jnp.float16), _qkv(head_dim=12), "cuda")
+  assert CUDNN not in text
+  records = [r for r in caplog.records if r.name == "jax_lossscale.autocast"]
+  assert len(records) >= 1
+  message = records[0].getMessage()
+  assert records[0].levelno == logging.INFO
+  assert "XLA implementation" in message and "NotImplementedError" in message
+  assert "head dim" in message and "float16[2, 128, 4, 12]" in message
+
+
+def test_no_cudnn_is_a_logged_reason_too(caplog):
+  caplog.set_level(logging.INFO, logger="jax_lossscale.autocast")
+  text = _lowered(jls.autocast(_model(), jnp.float16), _qkv(), "cuda")
+  assert CUDNN not in text
+  records = [r for r in caplog.records if r.name == "jax_lossscale.autocast"]
+  assert records  # one each time the CUDA branch is traced (the forward, its derivative)
+  assert all("RuntimeError" in r.getMessage() and "cuDNN" in r.getMessage() for r in records)
+
+
+def test_explicit_cudnn_that_cannot_be_met_raises_as_jax():
+  q, k, v = _qkv()
+  half = [a.astype(jnp.float16) for a in (q, k, v)]
+  with pytest.raises(RuntimeError) as jax_error:  # no cuDNN on this machine
+    jax.jit(_model(implementation="cudnn")).lower(*half)
+  with pytest.raises(RuntimeError) as ours:
+    jax.jit(jls.autocast(_model(implementation="cudnn"), jnp.float16)).lower(q, k, v)
+  assert str(ours.value) == str(jax_error.value)
+  q, k, v = _qkv(head_dim=12)
+  half = [a.astype(jnp.float16) for a in (q, k, v)]
+  with cudnn_version():
+    with pytest.raises(NotImplementedError) as jax_error:
+      jax.jit(_model(implementation="cudnn")).lower(*half)
+    with pytest.raises(NotImplementedError) as ours:
+      jax.jit(jls.autocast(_model(implementation="cudnn"), jnp.float16)).lower(q, k, v)
+  assert str(ours.value) == str(jax_error.value)
+
+
+def test_cpu_values_unchanged(maybe_jit):
+  """On the CPU the routed op computes what it did: float32 XLA attention, in float16."""
+  q, k, v = _qkv()
+  f = maybe_jit(
+    jls.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), jnp.float16)
+  )
+  out = f(q, k, v)
+  assert out.dtype == jnp.float16
+  half = [a.astype(jnp.float16).astype(jnp.float32) for a in (q, k, v)]
+  with jax.numpy_dtype_promotion("standard"):
+    expected = jax.nn.dot_product_attention(*half, is_causal=True).astype(jnp.float16)
+  # One float16 rounding apart at most (the fused softmax's order of operations).
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), np.asarray(expected, np.float32), rtol=2**-10, atol=2**-24
+  )
