@@ -72,6 +72,10 @@ class _Entry(NamedTuple):
   dyn_idx: tuple[int, ...]
   primary: int | None  # the position in the dynamic leaves of the primary input
   shapes: tuple[tuple[int, ...], ...]  # the dynamic leaves' shapes when it was called
+  # The marker's declared jaxprs (a token reused for an equal call keeps each): an
+  # equation holding one of them is the call itself; any other equation of the token is
+  # the call transformed by jax.vmap, jvp, partial evaluation or transposition.
+  jaxprs: tuple[Any, ...] = ()
 
 
 #: Each traced call of a composite op, by the token in its marker's name. Bounded: a
@@ -83,18 +87,26 @@ _LOCK = threading.Lock()
 _MAX_ENTRIES = 4096
 
 
-def _register(entry: _Entry, key: Any) -> str:
+def _token(key: Any) -> str:
+  """The token of a call: an equal call's (hashable ``key``) again, else a new one."""
   with _LOCK:
     token = _TOKENS.get(key) if key is not None else None
-    if token is None or token not in _REGISTRY:
+    if token is None:
       token = f"{next(_COUNTER)}"
       if key is not None:
         _TOKENS[key] = token
+    return token
+
+
+def _register(token: str, entry: _Entry) -> None:
+  with _LOCK:
+    old = _REGISTRY.get(token)
+    if old is not None:  # an equal call: the jaxprs traced for it before stay recognised
+      entry = entry._replace(jaxprs=(*old.jaxprs, *entry.jaxprs)[-8:])
     _REGISTRY[token] = entry
     _REGISTRY.move_to_end(token)
     while len(_REGISTRY) > _MAX_ENTRIES:
       _REGISTRY.popitem(last=False)
-    return token
 
 
 def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
@@ -140,26 +152,41 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
       "arguments. Make the op's non-array arguments hashable."
     )
   dyn = [v.x for v in ins]
-  if tuple(tuple(np.shape(x)) for x in dyn) == entry.shapes:
+  if any(eqn.params["jaxpr"] is j for j in entry.jaxprs):
     outs, _ = _call(entry, dyn, interp.dtype)
   else:
-    # A batched marker (the op was called under jax.vmap): its jaxpr is the batched
-    # declared trace, whose casts are the rule's on the declared dtypes. It runs as
-    # written; the outputs shaped like the primary input take its actual dtype.
-    outs = [v.x for v in interp.as_written(eqn, ins)]
-    if entry.rule == LOWER:
-      outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
-    if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
-      primary = dyn[entry.primary]
-      outs = [
-        cast(o, primary.dtype) if is_eligible(o.dtype) and o.shape == primary.shape else o
-        for o in outs
-      ]
+    outs = _transformed(interp, entry, eqn, ins)
   lowp = entry.rule == LOWER
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
     for o in outs
   ]
+
+
+def _transformed(interp: Interpreter, entry: _Entry, eqn: Any, ins: list[Val]) -> list[Any]:
+  """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
+
+  Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
+  then the op. With the ``"lower"``, ``"float32"`` and ``"float32_compute"`` rules those
+  casts give the op's compute dtype whatever the actual dtypes, so it runs on its
+  declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
+  jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
+  (what the op traced on those dtypes computes).
+  """
+  if entry.rule == PROMOTE and not interp.as_written_mode:
+    off = Interpreter(interp.dtype, {})
+    plain = [Val(v.x, Facts(follows=v.facts.follows)) for v in ins]
+    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
+  outs = [v.x for v in interp.as_written(eqn, ins)]
+  if entry.rule == LOWER:
+    outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
+  if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
+    primary = ins[entry.primary].x
+    outs = [
+      cast(o, primary.dtype) if is_eligible(o.dtype) and o.shape == primary.shape else o
+      for o in outs
+    ]
+  return outs
 
 
 def _marker_call(
@@ -175,13 +202,13 @@ def _marker_call(
     if first in dyn_idx:
       primary_pos = dyn_idx.index(first)
   shapes = tuple(tuple(np.shape(leaves[i])) for i in dyn_idx)
-  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
   try:
     key = (fn, rule, treedef, dyn_idx, primary_pos, shapes, tuple((type(x), x) for x in template))
     hash(key)
   except TypeError:
     key = None
-  token = _register(entry, key)
+  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
+  token = _token(key)
 
   # The declared trace: the rule's casts on the declared dtypes stand in for the real
   # ones (so a kernel that needs half inputs, like cuDNN's attention, can be traced);
@@ -203,7 +230,11 @@ def _marker_call(
   traced.__name__ = name
   traced.__qualname__ = name
   # keep_unused: the marker's inputs are the op's arguments one for one.
-  flat = jax.jit(traced, keep_unused=True)(*[leaves[i] for i in dyn_idx])
+  marker = jax.jit(traced, keep_unused=True)
+  dyn = [leaves[i] for i in dyn_idx]
+  jaxpr = marker.trace(*dyn).jaxpr  # the call below binds this very jaxpr (jit's cache)
+  _register(token, entry._replace(jaxprs=(jaxpr,)))
+  flat = marker(*dyn)
   return jax.tree_util.tree_unflatten(out_tree[-1], flat)
 
 
