@@ -181,12 +181,31 @@ def _transformed(interp: Interpreter, entry: _Entry, eqn: Any, ins: list[Val]) -
   if entry.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
   if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
-    primary = ins[entry.primary].x
+    # The outputs shaped like the primary input take its dtype. Under vmap the inputs
+    # are the op's, one for one; under jvp or partial evaluation they are not, and the
+    # op's outputs (the first ones) take the dtype of an input of their shape that
+    # autocast lowered (the primal and its tangent).
+    if len(ins) == len(entry.shapes):
+      halves = {tuple(ins[entry.primary].x.shape): ins[entry.primary].x.dtype}
+    else:
+      halves = {
+        tuple(v.x.shape): v.x.dtype
+        for v, var in zip(ins, eqn.invars, strict=True)
+        if _is_lowered(v.x, var)
+      }
+    n_op = len(entry.jaxprs[0].out_avals) if entry.jaxprs else len(outs)
     outs = [
-      cast(o, primary.dtype) if is_eligible(o.dtype) and o.shape == primary.shape else o
-      for o in outs
+      cast(o, halves[tuple(o.shape)])
+      if i < n_op and is_eligible(o.dtype) and tuple(o.shape) in halves
+      else o
+      for i, o in enumerate(outs)
     ]
   return outs
+
+
+def _is_lowered(x: Any, var: Any) -> bool:
+  declared = getattr(var.aval, "dtype", None)
+  return is_eligible(x.dtype) and declared is not None and np.dtype(x.dtype) != np.dtype(declared)
 
 
 def _marker_call(
@@ -359,8 +378,15 @@ def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[...,
 
     def split_call(state: Any, graphdef: Any, *args: Any, **kwargs: Any) -> Any:
       module = nnx.merge(graphdef.value, state)
+      before = jax.tree.leaves(nnx.state(module, nnx.BatchStat)) if stats else []
       out = original(module, *args, **kwargs)
-      return (out, nnx.state(module, nnx.BatchStat)) if stats else out
+      if not stats:
+        return out
+      after = nnx.state(module, nnx.BatchStat)
+      # The statistics go back only when the call wrote them (training): in evaluation
+      # they are left alone, so a module closed over by the function stays usable.
+      changed = any(a is not b for a, b in zip(jax.tree.leaves(after), before, strict=True))
+      return out, (after if changed else None)
 
     op = _op_wrapper(split_call, rule, 2)
 
@@ -372,7 +398,8 @@ def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[...,
       out = op(state, _Static(graphdef), *args, **kwargs)
       if stats:
         out, new_stats = out
-        nnx.update(self, new_stats)
+        if new_stats is not None:
+          nnx.update(self, new_stats)
       return out
 
     return method
@@ -477,6 +504,19 @@ def _resolve(module: str, path: str) -> tuple[Any, str] | None:
 
 _ORIGINALS: dict[tuple[str, str], Any] = {}
 _DEPTH = {"n": 0}
+#: The installed registration of each registered function, by the original's id.
+_BY_ORIGINAL: dict[int, tuple[Any, Any]] = {}
+
+
+def registered(leaf: Any) -> Any:
+  """``leaf``'s registration while autocast traces, if it is a registered function itself.
+
+  An argument that holds ``jax.nn.gelu`` (``equinox.nn.MLP(activation=jax.nn.gelu)``
+  keeps the function it was given) calls the registration, as a lookup of the module
+  attribute does.
+  """
+  found = _BY_ORIGINAL.get(id(leaf))
+  return found[1] if found is not None and found[0] is leaf else leaf
 
 
 @contextlib.contextmanager
@@ -496,7 +536,10 @@ def tracing(dtype: Any) -> Iterator[None]:
           else getattr(owner, attr)
         )
         _ORIGINALS[(module, path)] = (owner, attr, original)
-        setattr(owner, attr, make(original))
+        wrapper = make(original)
+        setattr(owner, attr, wrapper)
+        if "." not in path:  # a function (a method is found through its class)
+          _BY_ORIGINAL.setdefault(id(original), (original, wrapper))
   try:
     with _TRACING(np.dtype(dtype).name):
       yield
@@ -507,3 +550,4 @@ def tracing(dtype: Any) -> Iterator[None]:
         for owner, attr, original in _ORIGINALS.values():
           setattr(owner, attr, original)
         _ORIGINALS.clear()
+        _BY_ORIGINAL.clear()
