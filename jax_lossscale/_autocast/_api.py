@@ -197,6 +197,10 @@ def _interpret(
     return Facts(input_rank=np.ndim(leaves[i]))
 
   args_in = [Val(leaves[i], facts(i)) for i in dyn_idx]
+  if interp.taps is not None:  # the user's taps: an output they are added to is tapped
+    for v in args_in:
+      if v.facts.follows:
+        interp.taps.mark_user(v.x)
   outs = [v.x for v in interp.eval_closed(closed, args_in)]
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

@@ -56,6 +56,10 @@ class UnderflowReport(NamedTuple):
     finite_scaled: bool, whether the scaled half-precision gradients are
       finite.
     scale: float32, the loss scale of the scaled backward.
+    not_checked: what the automatic taps of an autocast ``loss_fn`` did not look
+      at: per kind of region (``"scan (12 iterations)"``, ``"while"``, ``"cond"``,
+      ``"custom_vjp_call"``...), int32 ``[regions, lower-precision outputs]`` (the
+      outputs counted once per region, not per iteration). Empty otherwise.
   """
 
   nonzero: dict[str, jax.Array]
@@ -64,6 +68,7 @@ class UnderflowReport(NamedTuple):
   finite_unscaled: jax.Array
   finite_scaled: jax.Array
   scale: jax.Array
+  not_checked: dict[str, jax.Array] = {}  # noqa: RUF012 (a NamedTuple's default, never mutated)
 
   def fractions(self, scaled: bool = False) -> dict[str, float]:
     """Per leaf, the share of float32-non-zero elements flushed to 0 (host floats)."""
@@ -132,6 +137,15 @@ class UnderflowReport(NamedTuple):
     head = "float16 without loss scaling flushes " + "; and ".join(parts)
     if not self.looked_at()["activations"]:
       head += " (parameter gradients only: pass activations= taps to check activations)"
+    if self.not_checked:
+      regions = ", ".join(
+        f"{int(n[0])} {kind}" for kind, n in sorted(self.not_checked.items())
+      )
+      outputs = sum(int(n[1]) for n in self.not_checked.values())
+      head += (
+        f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
+        "(pass activations= taps threaded through the loop as scanned inputs to check them)"
+      )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
     return f"does not need loss scaling here (threshold {threshold:.2%}): {head}."
@@ -162,7 +176,7 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
     return keys[:3] == [0, 0, "perturbations"]
 
   def call(v: Any, dtype: Any) -> Any:
-    taps = Taps(list(v["lowp"].values()))
+    taps = Taps(v["lowp"])
     args = (v["params"], batch, v["activations"]) if tapped else (v["params"], batch)
     reference = np.dtype(dtype) == np.float32  # the function as written
     return interpret(spec, dtype, args, taps=taps, follows=follows, as_written=reference)
@@ -170,14 +184,31 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
   return call
 
 
-def _lowp_taps(spec: Any, params: Any, batch: Any, taps: Any, dtype: Any) -> dict[str, Any]:
-  """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``."""
+def _lowp_taps(
+  spec: Any, params: Any, batch: Any, taps: Any, dtype: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``
+  (those a user's tap is added to left out: they are tapped once), and what was not
+  tapped: ``"<n> <primitive>[ (<k> iterations)]" -> [regions, outputs]`` as int32."""
   counted = Taps()
+
+  def follows(path: tuple[Any, ...]) -> bool:
+    keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
+    return keys[:2] == [0, 2] or keys[:3] == [0, 0, "perturbations"]
+
   args = (params, batch) if taps is None else (params, batch, taps)
-  jax.eval_shape(lambda *a: interpret(spec, dtype, a, taps=counted), *args)
-  return {
-    name: jnp.zeros(s.shape, s.dtype) for name, s in zip(counted.names, counted.shapes, strict=True)
+  jax.eval_shape(lambda *a: interpret(spec, dtype, a, taps=counted, follows=follows), *args)
+  zeros = {
+    name: jnp.zeros(s.shape, s.dtype)
+    for name, s in zip(counted.names, counted.shapes, strict=True)
+    if name not in counted.duplicates
   }
+  untapped = {
+    prim if length is None else f"{prim} ({length} iterations)": jnp.asarray(n, jnp.int32)
+    for (prim, length), n in counted.untapped.items()
+    if n[1]
+  }
+  return zeros, untapped
 
 
 def check_underflow(
@@ -310,14 +341,12 @@ def check_underflow(
     if half_dtype is None:
       half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
     call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped)
-    variables: Any = {
-      "params": params,
-      "activations": taps,
-      "lowp": _lowp_taps(spec, params, batch, taps, half_dtype),
-    }
+    lowp, not_checked = _lowp_taps(spec, params, batch, taps, half_dtype)
+    variables: Any = {"params": params, "activations": taps, "lowp": lowp}
   else:
     half_dtype = jnp.float16 if half_dtype is None else half_dtype
     variables = {"params": params, "activations": taps} if tapped else params
+    not_checked = {}
 
     def call(v: Any, dtype: Any) -> Any:
       if tapped:
@@ -361,4 +390,4 @@ def check_underflow(
     nonzero[name] = jnp.sum(nz, dtype=jnp.int32)
     lost1[name] = jnp.sum(nz & (flat1[name] == 0), dtype=jnp.int32)
     losts[name] = jnp.sum(nz & (flats[name] == 0), dtype=jnp.int32)
-  return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale)
+  return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale, not_checked)

@@ -1,0 +1,102 @@
+"""check_underflow's automatic taps of an autocast function (issue 33).
+
+* batched and einsum attention, and a vmapped MLP followed by a matmul, are tapped (each
+  tap's value went to another tap: the values were matched by sorted name, not by name);
+* the verdict names what it did not look at (the ops inside loops, conds, custom rules);
+* a user's tap on a tapped output counts once;
+* each tap's fraction is the direct measurement: the float16 gradient of that output
+  against the float32 one.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale.diagnostics import check_underflow
+
+
+def _rand(key, shape, scale=1.0):
+  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def test_einsum_attention_scores_are_tapped_with_their_own_shapes():
+  w, x = _rand(0, (8, 8)), _rand(1, (3, 5, 8))
+  f = jls.autocast(lambda w, x: 1e-6 * jnp.sum(jnp.einsum("btd,bsd->bts", x @ w, x @ w)))
+  report = check_underflow(f, w, x)
+  acts = report.looked_at()["activations"]
+  assert len(acts) == 3, acts
+  assert sorted(int(report.nonzero[k]) for k in acts) == [3 * 5 * 5, 3 * 5 * 8, 3 * 5 * 8]
+
+
+def test_a_vmapped_mlp_followed_by_a_matmul_is_tapped():
+  w1, w2, w3 = _rand(0, (8, 16)), _rand(1, (16, 8)), _rand(2, (8, 4))
+  x = _rand(3, (6, 8))
+
+  def loss(p, x):
+    h = jax.vmap(lambda t: jax.nn.gelu(t @ p[0]) @ p[1])(x)
+    return 1e-7 * jnp.sum(h @ p[2])
+
+  report = check_underflow(jls.autocast(loss), (w1, w2, w3), x)
+  acts = report.looked_at()["activations"]
+  assert len(acts) == 3, acts
+  # each tap has the gradient of its own output (the gelu's flat tail is exactly 0)
+  nonzero = sorted(int(report.nonzero[k]) for k in acts)
+  assert nonzero[:2] == [6 * 4, 6 * 8] and 0 < nonzero[2] <= 6 * 16, nonzero
+
+
+def test_the_verdict_names_the_ops_inside_a_scan_it_did_not_tap():
+  w, x = _rand(0, (8, 8), 0.3), _rand(1, (12, 4, 8))
+
+  def loss(w, xs):
+    def step(h, x):
+      h = jnp.tanh(h @ w + x @ w)
+      return h, h
+
+    h, hs = lax.scan(step, jnp.zeros((4, 8)), xs)
+    return 1e-6 * jnp.sum(hs @ w)
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  assert {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()} == {
+    "scan (12 iterations)": (1, 2)
+  }
+  verdict = report.verdict()
+  assert "not checked: the 2 lower-precision op outputs inside 1 scan (12 iterations)" in verdict
+  # the matmul after the loop is tapped
+  assert len(report.looked_at()["activations"]) == 1
+
+
+def test_a_function_without_loops_says_nothing_was_left_out():
+  w, x = _rand(0, (8, 8)), _rand(1, (4, 8))
+  report = check_underflow(jls.autocast(lambda w, x: jnp.sum(x @ w)), w, x)
+  assert report.not_checked == {}
+  assert "not checked" not in report.verdict()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_users_tap_on_a_tapped_output_counts_once(bias):
+  w, b, x = _rand(0, (8, 4)), _rand(1, (4,)), _rand(2, (6, 8))
+
+  def loss(p, x, taps):
+    logits = x @ p["w"] + p["b"] if bias else x @ p["w"]
+    logits = logits + taps["logits"]
+    return 1e-6 * jnp.sum(logits)
+
+  report = check_underflow(
+    jls.autocast(loss), {"w": w, "b": b}, x, activations={"logits": jnp.zeros((6, 4))}
+  )
+  assert report.looked_at()["activations"] == ["activations/logits"]
+  assert "(1 leaves;" in report.verdict().split("activation-gradient")[1]
+
+
+def test_a_users_tap_elsewhere_keeps_the_automatic_taps():
+  w, x = _rand(0, (8, 8)), _rand(1, (6, 8))
+
+  def loss(w, x, taps):
+    h = jnp.tanh(x @ w) + taps["h"]
+    return jnp.sum(h @ w)
+
+  report = check_underflow(jls.autocast(loss), w, x, activations={"h": jnp.zeros((6, 8))})
+  assert len(report.looked_at()["activations"]) == 3
