@@ -100,3 +100,34 @@ def test_a_users_tap_elsewhere_keeps_the_automatic_taps():
 
   report = check_underflow(jls.autocast(loss), w, x, activations={"h": jnp.zeros((6, 8))})
   assert len(report.looked_at()["activations"]) == 3
+
+
+def test_a_float32_tap_inside_an_autocast_function_of_a_dtype_parameterised_loss_is_refused():
+  # issue 33: the tap promoted the float16 activation, and the check measured the float32
+  # gradient ("does not need loss scaling: 0.00%" while half of it flushed).
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  w = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+
+  def loss(p, batch, dtype, taps):
+    def f(p, x, taps):
+      return jnp.sum((x @ p["w"] + taps["logits"]) * c)
+
+    return jls.autocast(f, dtype)(p, batch, taps)
+
+  with pytest.raises(ValueError, match="activations: the tap 'logits' is added in float32"):
+    check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+  def by_hand(p, batch, dtype, taps):  # the same mistake written by hand
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + taps["logits"]) * c)
+
+  with pytest.raises(ValueError, match="the tap 'logits'"):
+    check_underflow(by_hand, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+  def right(p, batch, dtype, taps):  # the tap cast to the activation's dtype
+    h = batch.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)
+    return jnp.sum(h.astype(jnp.float32) * c)
+
+  r = check_underflow(right, w, x, activations={"logits": jnp.zeros((8, 2))})
+  assert r.fractions()["activations/logits"] == 0.5

@@ -211,6 +211,57 @@ def _lowp_taps(
   return zeros, untapped
 
 
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> None:
+  """Refuses a float32 tap added to a half-precision activation made float32 for it.
+
+  ``h + taps["h"]`` with a float32 tap inside an autocast function (or
+  ``h.astype(jnp.float32) + taps["h"]``) adds the tap to the float32 copy of ``h``:
+  its gradient is the float32 one, and the check would measure nothing.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
+  closed = jax.make_jaxpr(lambda v: call(v, dtype))(variables)
+  names = {}
+  for var, (path, _) in zip(closed.jaxpr.invars, leaves, strict=True):
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if keys[:1] == ["activations"]:
+      names[var] = "/".join(keys[1:])
+  _walk_taps(closed.jaxpr, names, {})
+
+
+def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None:
+  from jax.extend.core import Var
+
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [v if isinstance(v, Var) else None for v in eqn.invars]
+    if name == "convert_element_type":
+      src = eqn.invars[0].aval.dtype
+      if ins[0] in taps:
+        taps[eqn.outvars[0]] = taps[ins[0]]
+      elif np.dtype(src) in _HALF and np.dtype(eqn.params["new_dtype"]) == np.float32:
+        upcast[eqn.outvars[0]] = src
+    elif name in ("add", "sub"):
+      for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+        if a in taps and b in upcast and np.dtype(eqn.invars[0].aval.dtype) == np.float32:
+          raise ValueError(
+            f"activations: the tap {taps[a]!r} is added in float32 to a "
+            f"{np.dtype(upcast[b]).name} activation made float32 for it, so it measures the "
+            "float32 gradient. Cast the tap to the activation's dtype "
+            "(h + taps[...].astype(h.dtype)), or pass the autocast function itself as "
+            "loss_fn (its taps take the dtype of the activation they meet)."
+          )
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint") and sub is not None:
+      inner = getattr(sub, "jaxpr", sub)
+      inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
+      inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}
+      if inner_taps:
+        _walk_taps(inner, inner_taps, inner_up)
+
+
 def check_underflow(
   loss_fn: Callable[..., ArrayLike],
   params: optax.Params,
@@ -352,6 +403,9 @@ def check_underflow(
       if tapped:
         return loss_fn(v["params"], batch, dtype, v["activations"])
       return loss_fn(v, batch, dtype)
+
+    if tapped:
+      _check_taps_follow(call, variables, half_dtype)
 
   def grads(v, dtype, s):
     g = jax.grad(lambda q: jnp.asarray(call(q, dtype)).astype(jnp.float32) * s)(v)
