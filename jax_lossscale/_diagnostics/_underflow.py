@@ -262,6 +262,28 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
         _walk_taps(inner, inner_taps, inner_up)
 
 
+def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
+  """Params with their non-array leaves (an Equinox module's functions) held static."""
+  from jax_lossscale._autocast._arguments import is_array
+
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
+  if not any(static):
+    return params, loss_fn, spec
+  arrays = treedef.unflatten([None if s else x for x, s in zip(leaves, static, strict=True)])
+
+  def combine(p: Any) -> Any:
+    got = treedef.flatten_up_to(p)
+    return treedef.unflatten(
+      [x if s else g for x, g, s in zip(leaves, got, static, strict=True)]
+    )
+
+  if spec is not None:
+    fun = spec.fun
+    return arrays, loss_fn, spec._replace(fun=lambda p, *a: fun(combine(p), *a))
+  return arrays, lambda p, *a: loss_fn(combine(p), *a), spec
+
+
 def check_underflow(
   loss_fn: Callable[..., ArrayLike],
   params: optax.Params,
@@ -375,6 +397,7 @@ def check_underflow(
   """
   scale = scale_of(scale)
   spec = autocast_spec(loss_fn)
+  params, loss_fn, spec = _arrays_only(params, loss_fn, spec)
   tapped = activations is not None
   if tapped and isinstance(params, Mapping) and "activations" in params:
     raise ValueError(
