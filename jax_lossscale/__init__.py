@@ -81,7 +81,8 @@ __all__ = (
 )
 
 #: Top-level names of 0.1.0 that moved to a namespace: old name -> new module.
-#: They keep working for one release, with a DeprecationWarning.
+#: They keep working for one release, with a FutureWarning (shown by default: Python hides
+#: a DeprecationWarning raised outside ``__main__``).
 _DEPRECATED = {
   "UnderflowReport": "jax_lossscale.diagnostics",
   "check_underflow": "jax_lossscale.diagnostics",
@@ -96,7 +97,8 @@ _DEPRECATED = {
 
 
 #: Top-level names of 0.1.0 that were renamed: old name -> new name (same module).
-#: They keep working for one release, with a DeprecationWarning.
+#: They keep working for one release, with a FutureWarning (shown by default: Python hides
+#: a DeprecationWarning raised outside ``__main__``).
 _RENAMED = {
   # It read like the field LossScaleState.inner_state; named like get_scale_state now.
   "inner_state": "get_inner_state",
@@ -105,7 +107,7 @@ _RENAMED = {
 
 def __getattr__(name: str) -> object:
   """The moved names of :data:`_DEPRECATED` and the renamed ones of :data:`_RENAMED`,
-  with a ``DeprecationWarning``."""
+  with a ``FutureWarning`` (visible by default, as a removal should be)."""
   module, new = _DEPRECATED.get(name), _RENAMED.get(name)
   if module is not None:
     message = f"jax_lossscale.{name} moved to {module}.{name}"
@@ -115,7 +117,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'jax_lossscale' has no attribute {name!r}")
   _warnings.warn(
     f"{message}; the old name is deprecated and will be removed in the next release.",
-    DeprecationWarning,
+    FutureWarning,
     stacklevel=2,
   )
   return getattr(_importlib.import_module(module), new or name)

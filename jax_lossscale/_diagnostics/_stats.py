@@ -178,8 +178,10 @@ def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> GradDiagn
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
-  the optimizer) and return the dict with the step's metrics: every value is
-  a JAX scalar, there is no host sync and no Python control flow on values.
+  the optimizer) and return what it gives with the step's metrics: a read-only
+  mapping (:class:`GradDiagnostics`, a pytree; ``.flat()`` gives a plain dict of
+  host values) whose every value is a JAX scalar; there is no host sync and no
+  Python control flow on values.
   Each leaf is read once (one loop computes all its statistics), and the
   per-leaf arithmetic that follows is done on one vector for all leaves, so
   the cost is about one read of the gradients whatever the leaf count.
