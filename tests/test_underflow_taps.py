@@ -131,3 +131,13 @@ def test_a_float32_tap_inside_an_autocast_function_of_a_dtype_parameterised_loss
 
   r = check_underflow(right, w, x, activations={"logits": jnp.zeros((8, 2))})
   assert r.fractions()["activations/logits"] == 0.5
+
+
+def test_leaf_names_through_an_equinox_partial_are_the_users():
+  eqx = pytest.importorskip("equinox")
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  lin = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+  params = {"head": eqx.Partial(lin), "loss": eqx.Partial(lambda x, w: x @ w, w=jnp.ones(2))}
+  # no func/ or keywords/ (and the functions the partials hold are not leaves to name)
+  assert grad_leaf_names(params) == ["head/weight", "head/bias", "loss/w"]
