@@ -328,3 +328,69 @@ def _all_eqns(jaxpr):
     subs = getattr(jax.extend.core, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
     for sub in subs(eqn.params):
       yield from _all_eqns(sub)
+
+
+# -- the guide's layer table, each row written per example under vmap -------------------
+
+
+def _layer_rows():
+  eqx = import_optional("equinox")
+  key = iter(range(50, 100))
+  lin = eqx.nn.Linear(D, D, key=jax.random.key(next(key)))
+  cell = eqx.nn.GRUCell(D, D, key=jax.random.key(next(key)))
+  bn, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="batch")
+  emb, wv = _rand(next(key), (11, D)), _rand(next(key), (D, D))
+  mask = jnp.asarray([True, False] * (D // 2))
+
+  def ln(h):
+    mu = jnp.mean(h, -1, keepdims=True)
+    return (h - mu) * lax.rsqrt(jnp.mean(jnp.square(h - mu), -1, keepdims=True) + 1e-5)
+
+  def scores(h):
+    q = h.reshape(2, D // 2)
+    return q @ q.T / np.sqrt(D // 2)
+
+  # each row: a function of one example's h (float16, a matmul's output) and its token id
+  return {
+    "embedding": lambda h, i: emb[i],
+    "LayerNorm, RMSNorm, GroupNorm": lambda h, i: ln(h),
+    "BatchNorm (train and eval)": lambda h, i: bn(h, bn_state)[0],
+    "Linear, Dense, Conv, ConvTranspose (bias inside)": lambda h, i: lin(h),
+    "attention scores `q @ k.T / sqrt(d)`": lambda h, i: scores(h),
+    "causal mask on the scores": lambda h, i: jnp.where(jnp.tril(jnp.ones((2, 2), bool)), scores(h), -1e4),
+    "softmax": lambda h, i: jax.nn.softmax(h),
+    "attention `p @ v`, MultiHeadAttention, `dot_product_attention`": lambda h, i: jax.nn.dot_product_attention(
+      h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2)
+    ),
+    "residual `x + linear(h)`": lambda h, i: emb[i] + lin(h),
+    "dropout": lambda h, i: jnp.where(mask, h / 0.5, 0.0),
+    "ReLU, SiLU, GELU (erf)": lambda h, i: jax.nn.gelu(jax.nn.silu(jax.nn.relu(h)), approximate=False),
+    "GELU (tanh approximation)": lambda h, i: jax.nn.gelu(h),
+    "LSTM, GRU cells (one step)": lambda h, i: cell(h, jnp.zeros(D)),
+    "average and max pooling": lambda h, i: _pool(h),
+    "scatters, `segment_sum` of float16 messages": lambda h, i: jax.ops.segment_sum(h, jnp.arange(D) % 3, 3),
+    "cross-entropy": lambda h, i: -jax.nn.log_softmax(h @ wv)[i % D],
+  }
+
+
+def _pool(h):  # as flax's avg_pool and max_pool: reduce_window sums and maxima
+  avg = lax.reduce_window(h, 0.0, lax.add, (2,), (2,), "VALID") * 0.5
+  return avg + lax.reduce_window(h, -jnp.inf, lax.max, (2,), (2,), "VALID")
+
+
+def test_the_guides_layer_table_holds_under_vmap():
+  text = (Path(__file__).resolve().parent.parent / "docs/guides/autocast.md").read_text()
+  body = text.split("<!-- layers-table:start -->\n")[1].split("<!-- layers-table:end -->")[0]
+  rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.strip().splitlines()[2:]]
+  want = {row[0]: re.match(r"(float16|float32)", row[3]).group(1) for row in rows}
+  fns = _layer_rows()
+  assert set(want) == set(fns)
+  x, w = _rand(0, (B, D)), _rand(1, (D, D), 0.5)
+  ids = jnp.arange(B)
+
+  def model(w, x, ids):
+    h = x @ w
+    return {name: jax.vmap(f, axis_name="batch")(h, ids) for name, f in fns.items()}
+
+  got = jls.autocast(model)(w, x, ids)
+  assert {k: str(v.dtype) for k, v in got.items()} == want
