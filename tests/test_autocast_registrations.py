@@ -144,7 +144,9 @@ CASES = {
 }
 
 #: Each registration of ``_composite.registrations()`` has a case.
-_REGISTERED = {f"{m}.{a.removesuffix('.__call__')}" for m, a, _ in jls._autocast._composite.registrations()}
+_REGISTERED = {
+  f"{m}.{a.removesuffix('.__call__')}" for m, a, _ in jls._autocast._composite.registrations()
+}
 
 
 def test_every_registration_has_a_case():
@@ -317,9 +319,7 @@ def test_an_equinox_mlp_written_per_token_runs_its_gelu_in_float16():
   assert tanhs and all(d == (("float16",), ("float16",)) for d in tanhs), tanhs
   # and the same bits as the MLP applied to the whole batch at once
   batched = jls.autocast(lambda m, x: jax.vmap(m[1])(jax.vmap(m[0])(x.reshape(-1, 8))))
-  np.testing.assert_array_equal(
-    np.asarray(out).reshape(-1, 4), np.asarray(batched((mlp, lin), x))
-  )
+  np.testing.assert_array_equal(np.asarray(out).reshape(-1, 4), np.asarray(batched((mlp, lin), x)))
 
 
 def _all_eqns(jaxpr):
@@ -357,18 +357,26 @@ def _layer_rows():
     "BatchNorm (train and eval)": lambda h, i: bn(h, bn_state)[0],
     "Linear, Dense, Conv, ConvTranspose (bias inside)": lambda h, i: lin(h),
     "attention scores `q @ k.T / sqrt(d)`": lambda h, i: scores(h),
-    "causal mask on the scores": lambda h, i: jnp.where(jnp.tril(jnp.ones((2, 2), bool)), scores(h), -1e4),
+    "causal mask on the scores": lambda h, i: jnp.where(
+      jnp.tril(jnp.ones((2, 2), bool)), scores(h), -1e4
+    ),
     "softmax": lambda h, i: jax.nn.softmax(h),
-    "attention `p @ v`, MultiHeadAttention, `dot_product_attention`": lambda h, i: jax.nn.dot_product_attention(
-      h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2)
+    "attention `p @ v`, MultiHeadAttention, `dot_product_attention`": lambda h, i: (
+      jax.nn.dot_product_attention(
+        h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2), h.reshape(2, 1, D // 2)
+      )
     ),
     "residual `x + linear(h)`": lambda h, i: emb[i] + lin(h),
     "dropout": lambda h, i: jnp.where(mask, h / 0.5, 0.0),
-    "ReLU, SiLU, GELU (erf)": lambda h, i: jax.nn.gelu(jax.nn.silu(jax.nn.relu(h)), approximate=False),
+    "ReLU, SiLU, GELU (erf)": lambda h, i: jax.nn.gelu(
+      jax.nn.silu(jax.nn.relu(h)), approximate=False
+    ),
     "GELU (tanh approximation)": lambda h, i: jax.nn.gelu(h),
     "LSTM, GRU cells (one step)": lambda h, i: cell(h, jnp.zeros(D)),
     "average and max pooling": lambda h, i: _pool(h),
-    "scatters, `segment_sum` of float16 messages": lambda h, i: jax.ops.segment_sum(h, jnp.arange(D) % 3, 3),
+    "scatters, `segment_sum` of float16 messages": lambda h, i: jax.ops.segment_sum(
+      h, jnp.arange(D) % 3, 3
+    ),
     "cross-entropy": lambda h, i: -jax.nn.log_softmax(h @ wv)[i % D],
   }
 
@@ -381,7 +389,10 @@ def _pool(h):  # as flax's avg_pool and max_pool: reduce_window sums and maxima
 def test_the_guides_layer_table_holds_under_vmap():
   text = (Path(__file__).resolve().parent.parent / "docs/guides/autocast.md").read_text()
   body = text.split("<!-- layers-table:start -->\n")[1].split("<!-- layers-table:end -->")[0]
-  rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.strip().splitlines()[2:]]
+  rows = [
+    [c.strip() for c in line.strip().strip("|").split("|")]
+    for line in body.strip().splitlines()[2:]
+  ]
   want = {row[0]: re.match(r"(float16|float32)", row[3]).group(1) for row in rows}
   fns = _layer_rows()
   assert set(want) == set(fns)

@@ -103,10 +103,8 @@ def test_gpt_logits_fraction_is_the_direct_measurement(scanned):
   # the last lower-precision output: the logits' matmul
   logits_leaf = max(acts, key=lambda k: int(k.rsplit("#", 1)[1]))
   assert int(report.nonzero[logits_leaf]) == BATCH * T * V
-  body = lambda p, x: _gpt_body(p, x, scanned)  # noqa: E731
-  direct = _flushed(
-    lambda lg: _xent(lg, y), jls.autocast(body)(params, x), body(params, x)
-  )
+  body = lambda p, x: _gpt_body(p, x, scanned)
+  direct = _flushed(lambda lg: _xent(lg, y), jls.autocast(body)(params, x), body(params, x))
   assert report.fractions()[logits_leaf] == direct
   assert direct > 0.05  # the case is one that flushes
   if scanned:  # the blocks' ops are inside the scan: named, not checked
@@ -137,7 +135,7 @@ def test_equinox_per_token_mlp_fraction_is_the_direct_measurement():
   assert len(acts) == 3  # the three Linear layers' matmuls
   logits_leaf = max(acts, key=lambda k: int(k.rsplit("#", 1)[1]))
   assert int(report.nonzero[logits_leaf]) == BATCH * T * V
-  body = lambda m, x: jax.vmap(jax.vmap(m))(x)  # noqa: E731
+  body = lambda m, x: jax.vmap(jax.vmap(m))(x)
   direct = _flushed(lambda lg: _xent(lg, y), jls.autocast(body)(mlp, x), body(mlp, x))
   assert report.fractions()[logits_leaf] == direct
   assert direct > 0.05
@@ -159,9 +157,7 @@ def test_linen_nn_scan_model_fraction_is_the_direct_measurement():
     @nn.compact
     def __call__(self, x):
       h = nn.Embed(V, D)(x)
-      blocks = nn.scan(
-        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
-      )
+      blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
       h, _ = blocks()(h, None)
       return nn.Dense(V, use_bias=False)(h)
 

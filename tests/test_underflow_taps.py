@@ -11,7 +11,6 @@
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_lossscale as jls
@@ -55,7 +54,7 @@ def test_the_verdict_names_the_ops_inside_a_scan_it_did_not_tap():
       h = jnp.tanh(h @ w + x @ w)
       return h, h
 
-    h, hs = lax.scan(step, jnp.zeros((4, 8)), xs)
+    _, hs = lax.scan(step, jnp.zeros((4, 8)), xs)
     return 1e-6 * jnp.sum(hs @ w)
 
   report = check_underflow(jls.autocast(loss), w, x)

@@ -38,9 +38,7 @@ def _key_name(key: Any) -> str:
 
 def _is_partial(x: Any) -> bool:
   """An ``equinox.Partial`` (a module of ``func``, ``args``, ``keywords``)."""
-  return type(x).__name__ == "Partial" and all(
-    hasattr(x, a) for a in ("func", "args", "keywords")
-  )
+  return type(x).__name__ == "Partial" and all(hasattr(x, a) for a in ("func", "args", "keywords"))
 
 
 def _paths(tree: Any, root: Any = None) -> list[tuple[tuple[str, ...], Any]]:

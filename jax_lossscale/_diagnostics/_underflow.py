@@ -138,9 +138,7 @@ class UnderflowReport(NamedTuple):
     if not self.looked_at()["activations"]:
       head += " (parameter gradients only: pass activations= taps to check activations)"
     if self.not_checked:
-      regions = ", ".join(
-        f"{int(n[0])} {kind}" for kind, n in sorted(self.not_checked.items())
-      )
+      regions = ", ".join(f"{int(n[0])} {kind}" for kind, n in sorted(self.not_checked.items()))
       outputs = sum(int(n[1]) for n in self.not_checked.values())
       head += (
         f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
@@ -254,7 +252,9 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
             "loss_fn (its taps take the dtype of the activation they meet)."
           )
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint") and sub is not None:
+    if (
+      name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint") and sub is not None
+    ):
       inner = getattr(sub, "jaxpr", sub)
       inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
       inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}
@@ -274,9 +274,7 @@ def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
 
   def combine(p: Any) -> Any:
     got = treedef.flatten_up_to(p)
-    return treedef.unflatten(
-      [x if s else g for x, g, s in zip(leaves, got, static, strict=True)]
-    )
+    return treedef.unflatten([x if s else g for x, g, s in zip(leaves, got, static, strict=True)])
 
   if spec is not None:
     fun = spec.fun
