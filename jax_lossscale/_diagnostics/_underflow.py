@@ -270,11 +270,15 @@ def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
   static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
   if not any(static):
     return params, loss_fn, spec
-  arrays = treedef.unflatten([None if s else x for x, s in zip(leaves, static, strict=True)])
+  arrays = jax.tree_util.tree_unflatten(
+    treedef, [None if s else x for x, s in zip(leaves, static, strict=True)]
+  )
 
   def combine(p: Any) -> Any:
-    got = treedef.flatten_up_to(p)
-    return treedef.unflatten([x if s else g for x, g, s in zip(leaves, got, static, strict=True)])
+    got = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)[0]
+    return jax.tree_util.tree_unflatten(
+      treedef, [x if s else g for x, g, s in zip(leaves, got, static, strict=True)]
+    )
 
   if spec is not None:
     fun = spec.fun
