@@ -140,3 +140,21 @@ def test_leaf_names_through_an_equinox_partial_are_the_users():
   params = {"head": eqx.Partial(lin), "loss": eqx.Partial(lambda x, w: x @ w, w=jnp.ones(2))}
   # no func/ or keywords/ (and the functions the partials hold are not leaves to name)
   assert grad_leaf_names(params) == ["head/weight", "head/bias", "loss/w"]
+
+
+def test_a_registered_lower_precision_op_is_tapped_under_its_name():
+  # dot_product_attention is one op (its matmuls are not interpreted): its output is
+  # tapped, named for it.
+  wq, x = _rand(0, (8, 8)), _rand(1, (2, 4, 1, 8))
+
+  def loss(w, x):
+    q = x @ w
+    return 1e-6 * jnp.sum(jax.nn.dot_product_attention(q, q, q))
+
+  report = check_underflow(jls.autocast(loss), wq, x)
+  acts = report.looked_at()["activations"]
+  assert [a.rsplit("/", 1)[-1].split("#")[0] for a in sorted(acts)] == [
+    "dot_general",
+    "dot_product_attention",
+  ]
+  assert int(report.nonzero[next(a for a in acts if "dot_product_attention" in a)]) == 2 * 4 * 8

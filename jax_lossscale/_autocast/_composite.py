@@ -157,6 +157,8 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   else:
     outs = _transformed(interp, entry, eqn, ins)
   lowp = entry.rule == LOWER
+  if lowp:  # its outputs are lower-precision results: check_underflow taps them
+    outs = interp._tap(eqn, outs, getattr(entry.fn, "__name__", None))
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
     for o in outs

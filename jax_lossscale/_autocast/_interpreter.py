@@ -126,10 +126,11 @@ class Taps:
     self._user: dict[int, Any] = {}  # id -> the array: the users' taps and their layouts
     self._tapped: dict[int, tuple[Any, str]] = {}  # id -> (the tapped output, its name)
 
-  def add(self, eqn: Any, out: Any) -> Any:
+  def add(self, eqn: Any, out: Any, label: str | None = None) -> Any:
     i = len(self.names)
     stack = _scopes(source_info_util.current_name_stack())
-    name = f"{stack}/{eqn.primitive.name}#{i}" if stack else f"{eqn.primitive.name}#{i}"
+    label = label or eqn.primitive.name
+    name = f"{stack}/{label}#{i}" if stack else f"{label}#{i}"
     self.names.append(name)
     self.shapes.append(jax.ShapeDtypeStruct(out.shape, jnp.float32))
     if self.values is not None and name in self.values:
@@ -390,15 +391,16 @@ class Interpreter:
       vals = self.promote(eqn, ins)
     return [Val(o) for o in _bind(eqn, vals, params)]
 
-  def _tap(self, eqn: Any, outs: list[Any]) -> list[Any]:
-    """The outputs of a lower-precision primitive, tapped (or counted as untapped)."""
+  def _tap(self, eqn: Any, outs: list[Any], label: str | None = None) -> list[Any]:
+    """The outputs of a lower-precision primitive (or registered op), tapped (or counted
+    as untapped)."""
     if self.taps is None:
       return outs
     if self._untapped:
       if any(_is_float(o) for o in outs):
         self.taps.skip()
       return outs
-    return [self.taps.add(eqn, o) if _is_float(o) else o for o in outs]
+    return [self.taps.add(eqn, o, label) if _is_float(o) else o for o in outs]
 
   def _user_tap_meets(self, eqn: Any, ins: list[Val]) -> str | None:
     """A user's tap added to a tapped output: that output is tapped already.
