@@ -84,7 +84,8 @@ __all__ = (
 )
 
 #: Top-level names of 0.1.0 that moved to a namespace: old name -> new module.
-#: They keep working for one release, with a DeprecationWarning.
+#: They keep working for one release, with a FutureWarning (shown by default: Python hides
+#: a DeprecationWarning raised outside ``__main__``).
 _DEPRECATED = {
   "UnderflowReport": "jax_lossscale.diagnostics",
   "check_underflow": "jax_lossscale.diagnostics",
@@ -99,7 +100,8 @@ _DEPRECATED = {
 
 
 #: Top-level names of 0.1.0 that were renamed: old name -> new name (same module).
-#: They keep working for one release, with a DeprecationWarning.
+#: They keep working for one release, with a FutureWarning (shown by default: Python hides
+#: a DeprecationWarning raised outside ``__main__``).
 _RENAMED = {
   # It read like the field LossScaleState.inner_state; named like get_scale_state now.
   "inner_state": "get_inner_state",
@@ -109,7 +111,7 @@ _RENAMED = {
 def __getattr__(name: str) -> object:
   """``jax_lossscale.flax`` imported on first use (Flax is an optional extra), and the moved
   names of :data:`_DEPRECATED` and the renamed ones of :data:`_RENAMED`, with a
-  ``DeprecationWarning``."""
+  ``FutureWarning`` (visible by default, as a removal should be)."""
   if name == "flax":
     try:
       return _importlib.import_module("jax_lossscale.flax")
@@ -126,7 +128,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'jax_lossscale' has no attribute {name!r}")
   _warnings.warn(
     f"{message}; the old name is deprecated and will be removed in the next release.",
-    DeprecationWarning,
+    FutureWarning,
     stacklevel=2,
   )
   return getattr(_importlib.import_module(module), new or name)

@@ -79,22 +79,41 @@ def test_seed_names_stay_at_the_top_level_without_a_warning():
 def test_moved_names_warn_and_return_the_same_object(name):
   namespace = importlib.import_module(f"jax_lossscale.{MOVED[name]}")
   assert name in namespace.__all__ and name not in jls.__all__
-  with pytest.warns(DeprecationWarning, match=f"jax_lossscale.{MOVED[name]}.{name}"):
+  with pytest.warns(FutureWarning, match=f"jax_lossscale.{MOVED[name]}.{name}"):
     old = getattr(jls, name)
   assert old is getattr(namespace, name)
-  with pytest.warns(DeprecationWarning, match=name):
+  with pytest.warns(FutureWarning, match=name):
     exec(f"from jax_lossscale import {name} as imported", scope := {})
   assert scope["imported"] is old
+
+
+def test_the_removal_warning_is_shown_by_default():
+  # Python's default filters hide a DeprecationWarning raised outside __main__; a
+  # FutureWarning is shown (issue 33).
+  import os
+  import subprocess
+  import sys
+
+  name = sorted(MOVED)[0]
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+  out = subprocess.run(
+    [sys.executable, "-c", f"import jax_lossscale; jax_lossscale.{name}"],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=True,
+  )
+  assert "FutureWarning" in out.stderr and name in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("name", sorted(RENAMED))
 def test_renamed_names_warn_and_return_the_same_object(name):
   new = RENAMED[name]
   assert new in jls.__all__ and name not in jls.__all__
-  with pytest.warns(DeprecationWarning, match=f"jax_lossscale.{name} is now jax_lossscale.{new}"):
+  with pytest.warns(FutureWarning, match=f"jax_lossscale.{name} is now jax_lossscale.{new}"):
     old = getattr(jls, name)
   assert old is getattr(jls, new)
-  with pytest.warns(DeprecationWarning, match=new):
+  with pytest.warns(FutureWarning, match=new):
     exec(f"from jax_lossscale import {name} as imported", scope := {})
   assert scope["imported"] is old
 

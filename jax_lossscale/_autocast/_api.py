@@ -178,9 +178,13 @@ def _interpret(
   """
   leaves, treedef, dyn_idx = split(args, kwargs)
   paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+  dyn_set = set(dyn_idx)
 
   def flat_fun(*dyn: Any) -> Any:
-    a, k = rebuild(treedef, leaves, dyn_idx, dyn)
+    # A registered function held by an argument (an activation stored in a module)
+    # calls its registration.
+    static = [x if i in dyn_set else _composite.registered(x) for i, x in enumerate(leaves)]
+    a, k = rebuild(treedef, static, dyn_idx, dyn)
     return fun(*a, **k)
 
   dyn = [leaves[i] for i in dyn_idx]
@@ -193,6 +197,10 @@ def _interpret(
     return Facts(input_rank=np.ndim(leaves[i]))
 
   args_in = [Val(leaves[i], facts(i)) for i in dyn_idx]
+  if interp.taps is not None:  # the user's taps: an output they are added to is tapped
+    for v in args_in:
+      if v.facts.follows:
+        interp.taps.mark_user(v.x)
   outs = [v.x for v in interp.eval_closed(closed, args_in)]
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

@@ -73,6 +73,10 @@ class _Entry(NamedTuple):
   dyn_idx: tuple[int, ...]
   primary: int | None  # the position in the dynamic leaves of the primary input
   shapes: tuple[tuple[int, ...], ...]  # the dynamic leaves' shapes when it was called
+  # The marker's declared jaxprs (a token reused for an equal call keeps each): an
+  # equation holding one of them is the call itself; any other equation of the token is
+  # the call transformed by jax.vmap, jvp, partial evaluation or transposition.
+  jaxprs: tuple[Any, ...] = ()
 
 
 #: Each traced call of a composite op, by the token in its marker's name. Bounded: a
@@ -84,18 +88,26 @@ _LOCK = threading.Lock()
 _MAX_ENTRIES = 4096
 
 
-def _register(entry: _Entry, key: Any) -> str:
+def _token(key: Any) -> str:
+  """The token of a call: an equal call's (hashable ``key``) again, else a new one."""
   with _LOCK:
     token = _TOKENS.get(key) if key is not None else None
-    if token is None or token not in _REGISTRY:
+    if token is None:
       token = f"{next(_COUNTER)}"
       if key is not None:
         _TOKENS[key] = token
+    return token
+
+
+def _register(token: str, entry: _Entry) -> None:
+  with _LOCK:
+    old = _REGISTRY.get(token)
+    if old is not None:  # an equal call: the jaxprs traced for it before stay recognised
+      entry = entry._replace(jaxprs=(*old.jaxprs, *entry.jaxprs)[-8:])
     _REGISTRY[token] = entry
     _REGISTRY.move_to_end(token)
     while len(_REGISTRY) > _MAX_ENTRIES:
       _REGISTRY.popitem(last=False)
-    return token
 
 
 def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
@@ -141,26 +153,62 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
       "arguments. Make the op's non-array arguments hashable."
     )
   dyn = [v.x for v in ins]
-  if tuple(tuple(np.shape(x)) for x in dyn) == entry.shapes:
+  if any(eqn.params["jaxpr"] is j for j in entry.jaxprs):
     outs, _ = _call(entry, dyn, interp.dtype)
   else:
-    # A batched marker (the op was called under jax.vmap): its jaxpr is the batched
-    # declared trace, whose casts are the rule's on the declared dtypes. It runs as
-    # written; the outputs shaped like the primary input take its actual dtype.
-    outs = [v.x for v in interp.as_written(eqn, ins)]
-    if entry.rule == LOWER:
-      outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
-    if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
-      primary = dyn[entry.primary]
-      outs = [
-        cast(o, primary.dtype) if is_eligible(o.dtype) and o.shape == primary.shape else o
-        for o in outs
-      ]
+    outs = _transformed(interp, entry, eqn, ins)
   lowp = entry.rule == LOWER
+  if lowp:  # its outputs are lower-precision results: check_underflow taps them
+    outs = interp._tap(eqn, outs, getattr(entry.fn, "__name__", None))
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
     for o in outs
   ]
+
+
+def _transformed(interp: Interpreter, entry: _Entry, eqn: Any, ins: list[Val]) -> list[Any]:
+  """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
+
+  Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
+  then the op. With the ``"lower"``, ``"float32"`` and ``"float32_compute"`` rules those
+  casts give the op's compute dtype whatever the actual dtypes, so it runs on its
+  declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
+  jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
+  (what the op traced on those dtypes computes).
+  """
+  if entry.rule == PROMOTE and not interp.as_written_mode:
+    off = Interpreter(interp.dtype, {})
+    plain = [Val(v.x, Facts(follows=v.facts.follows)) for v in ins]
+    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
+  outs = [v.x for v in interp.as_written(eqn, ins)]
+  if entry.rule == LOWER:
+    outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
+  if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
+    # The outputs shaped like the primary input take its dtype. Under vmap the inputs
+    # are the op's, one for one; under jvp or partial evaluation they are not, and the
+    # op's outputs (the first ones) take the dtype of an input of their shape that
+    # autocast lowered (the primal and its tangent).
+    if len(ins) == len(entry.shapes):
+      halves = {tuple(ins[entry.primary].x.shape): ins[entry.primary].x.dtype}
+    else:
+      halves = {
+        tuple(v.x.shape): v.x.dtype
+        for v, var in zip(ins, eqn.invars, strict=True)
+        if _is_lowered(v.x, var)
+      }
+    n_op = len(entry.jaxprs[0].out_avals) if entry.jaxprs else len(outs)
+    outs = [
+      cast(o, halves[tuple(o.shape)])
+      if i < n_op and is_eligible(o.dtype) and tuple(o.shape) in halves
+      else o
+      for i, o in enumerate(outs)
+    ]
+  return outs
+
+
+def _is_lowered(x: Any, var: Any) -> bool:
+  declared = getattr(var.aval, "dtype", None)
+  return is_eligible(x.dtype) and declared is not None and np.dtype(x.dtype) != np.dtype(declared)
 
 
 def _marker_call(
@@ -176,13 +224,13 @@ def _marker_call(
     if first in dyn_idx:
       primary_pos = dyn_idx.index(first)
   shapes = tuple(tuple(np.shape(leaves[i])) for i in dyn_idx)
-  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
   try:
     key = (fn, rule, treedef, dyn_idx, primary_pos, shapes, tuple((type(x), x) for x in template))
     hash(key)
   except TypeError:
     key = None
-  token = _register(entry, key)
+  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
+  token = _token(key)
 
   # The declared trace: the rule's casts on the declared dtypes stand in for the real
   # ones (so a kernel that needs half inputs, like cuDNN's attention, can be traced);
@@ -204,7 +252,11 @@ def _marker_call(
   traced.__name__ = name
   traced.__qualname__ = name
   # keep_unused: the marker's inputs are the op's arguments one for one.
-  flat = jax.jit(traced, keep_unused=True)(*[leaves[i] for i in dyn_idx])
+  marker = jax.jit(traced, keep_unused=True)
+  dyn = [leaves[i] for i in dyn_idx]
+  jaxpr = marker.trace(*dyn).jaxpr  # the call below binds this very jaxpr (jit's cache)
+  _register(token, entry._replace(jaxprs=(jaxpr,)))
+  flat = marker(*dyn)
   return jax.tree_util.tree_unflatten(out_tree[-1], flat)
 
 
@@ -312,8 +364,15 @@ def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[...,
 
     def split_call(state: Any, graphdef: Any, *args: Any, **kwargs: Any) -> Any:
       module = nnx.merge(graphdef.value, state)
+      before = jax.tree.leaves(nnx.state(module, nnx.BatchStat)) if stats else []
       out = original(module, *args, **kwargs)
-      return (out, nnx.state(module, nnx.BatchStat)) if stats else out
+      if not stats:
+        return out
+      after = nnx.state(module, nnx.BatchStat)
+      # The statistics go back only when the call wrote them (training): in evaluation
+      # they are left alone, so a module closed over by the function stays usable.
+      changed = any(a is not b for a, b in zip(jax.tree.leaves(after), before, strict=True))
+      return out, (after if changed else None)
 
     op = _op_wrapper(split_call, rule, 2)
 
@@ -325,7 +384,8 @@ def _nnx(rule: str, stats: bool) -> Callable[[Callable[..., Any]], Callable[...,
       out = op(state, _Static(graphdef), *args, **kwargs)
       if stats:
         out, new_stats = out
-        nnx.update(self, new_stats)
+        if new_stats is not None:
+          nnx.update(self, new_stats)
       return out
 
     return method
@@ -430,6 +490,19 @@ def _resolve(module: str, path: str) -> tuple[Any, str] | None:
 
 _ORIGINALS: dict[tuple[str, str], Any] = {}
 _DEPTH = {"n": 0}
+#: The installed registration of each registered function, by the original's id.
+_BY_ORIGINAL: dict[int, tuple[Any, Any]] = {}
+
+
+def registered(leaf: Any) -> Any:
+  """``leaf``'s registration while autocast traces, if it is a registered function itself.
+
+  An argument that holds ``jax.nn.gelu`` (``equinox.nn.MLP(activation=jax.nn.gelu)``
+  keeps the function it was given) calls the registration, as a lookup of the module
+  attribute does.
+  """
+  found = _BY_ORIGINAL.get(id(leaf))
+  return found[1] if found is not None and found[0] is leaf else leaf
 
 
 @contextlib.contextmanager
@@ -449,7 +522,10 @@ def tracing(dtype: Any) -> Iterator[None]:
           else getattr(owner, attr)
         )
         _ORIGINALS[(module, path)] = (owner, attr, original)
-        setattr(owner, attr, make(original))
+        wrapper = make(original)
+        setattr(owner, attr, wrapper)
+        if "." not in path:  # a function (a method is found through its class)
+          _BY_ORIGINAL.setdefault(id(original), (original, wrapper))
   try:
     with _TRACING(np.dtype(dtype).name):
       yield
@@ -460,3 +536,4 @@ def tracing(dtype: Any) -> Iterator[None]:
         for owner, attr, original in _ORIGINALS.values():
           setattr(owner, attr, original)
         _ORIGINALS.clear()
+        _BY_ORIGINAL.clear()

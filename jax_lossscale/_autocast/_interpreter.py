@@ -107,24 +107,70 @@ class Taps:
 
   :func:`jax_lossscale.diagnostics.check_underflow` differentiates with respect to them:
   the gradient of a tap is the gradient of that op's output (logits, attention scores).
-  Without ``values`` the taps are only counted (their names and shapes recorded).
-  Outputs inside loops, conds, shard_map and custom rules are not tapped: a tap there
-  would sum the gradients of every iteration or branch.
+  Without ``values`` the taps are only counted (their names and shapes recorded); with
+  them, each output gets the value of its name (one left out of ``values`` is not
+  tapped). Outputs inside loops, conds, shard_map and custom rules are not tapped (a tap
+  there would sum the gradients of every iteration or branch): :attr:`untapped` counts
+  them by the region they are in. An output the function adds a user's tap to (one of
+  ``user``, an input) is recorded in :attr:`duplicates`: it is tapped already.
   """
 
-  def __init__(self, values: Sequence[Any] | None = None):
-    self.values = None if values is None else list(values)
+  def __init__(self, values: Mapping[str, Any] | None = None):
+    self.values = None if values is None else dict(values)
     self.names: list[str] = []
     self.shapes: list[Any] = []
+    #: ``(primitive, iterations or None) -> [regions, lower-precision outputs]``.
+    self.untapped: dict[tuple[str, int | None], list[int]] = {}
+    self.duplicates: set[str] = set()
+    self._region: tuple[str, int | None] = ("", None)
+    self._user: dict[int, Any] = {}  # id -> the array: the users' taps and their layouts
+    self._tapped: dict[int, tuple[Any, str]] = {}  # id -> (the tapped output, its name)
 
-  def add(self, eqn: Any, out: Any) -> Any:
+  def add(self, eqn: Any, out: Any, label: str | None = None) -> Any:
     i = len(self.names)
-    stack = str(source_info_util.current_name_stack())
-    self.names.append(f"{stack}/{eqn.primitive.name}#{i}" if stack else f"{eqn.primitive.name}#{i}")
+    stack = _scopes(source_info_util.current_name_stack())
+    label = label or eqn.primitive.name
+    name = f"{stack}/{label}#{i}" if stack else f"{label}#{i}"
+    self.names.append(name)
     self.shapes.append(jax.ShapeDtypeStruct(out.shape, jnp.float32))
-    if self.values is None:
-      return out
-    return out + self.values[i].astype(out.dtype)
+    if self.values is not None and name in self.values:
+      out = out + self.values[name].astype(out.dtype)
+    self._tapped[id(out)] = (out, name)
+    return out
+
+  def enter(self, eqn: Any) -> None:
+    """An outermost untapped region starts (a loop, a cond, a custom rule)."""
+    length = eqn.params.get("length") if eqn.primitive.name == "scan" else None
+    key = (eqn.primitive.name, None if length is None else int(length))
+    self.untapped.setdefault(key, [0, 0])[0] += 1
+    self._region = key
+
+  def skip(self) -> None:
+    """A lower-precision output inside the current untapped region."""
+    self.untapped[self._region][1] += 1
+
+  def mark_user(self, x: Any) -> None:
+    self._user[id(x)] = x
+
+  def is_user(self, x: Any) -> bool:
+    return self._user.get(id(x)) is x
+
+  def tapped(self, x: Any) -> str | None:
+    found = self._tapped.get(id(x))
+    return found[1] if found is not None and found[0] is x else None
+
+  def same_as(self, x: Any, name: str) -> None:
+    """``x`` has the gradient of the output tapped as ``name`` (a layout of it, a bias
+    added): a user's tap added to it duplicates that tap."""
+    self._tapped[id(x)] = (x, name)
+
+
+def _scopes(name_stack: Any) -> str:
+  """The scopes of a name stack, without the transformations (``jvp()`` under grad)."""
+  stack = getattr(name_stack, "stack", None)
+  if stack is None:
+    return str(name_stack)
+  return "/".join(e.name for e in stack if type(e).__name__ != "Transform")
 
 
 #: The higher-order primitives inside which no output is tapped.
@@ -284,6 +330,8 @@ class Interpreter:
       if handler is None:
         raise unsupported(prim.name, eqn)
       untapped = prim.name in _UNTAPPED
+      if untapped and self.taps is not None and not self._untapped:
+        self.taps.enter(eqn)
       self._untapped += untapped
       try:
         return handler(self, eqn, ins)
@@ -316,21 +364,26 @@ class Interpreter:
     return rule
 
   def first_order(self, eqn: Any, ins: list[Val]) -> list[Val]:
+    same = self._user_tap_meets(eqn, ins) if self.taps is not None else None
+    outs = self._first_order(eqn, ins)
+    if same is not None and len(outs) == 1:
+      self.taps.same_as(outs[0].x, same)  # type: ignore[union-attr]
+    return outs
+
+  def _first_order(self, eqn: Any, ins: list[Val]) -> list[Val]:
     params = dict(eqn.params)
     rule = self.rule(eqn.primitive)
     if self.as_written_mode:
       outs = _bind(eqn, cast_to_declared([v.x for v in ins], [v.aval for v in eqn.invars]))
-      if rule == LOWER and self.taps is not None and not self._untapped:
-        outs = [self.taps.add(eqn, o) if _is_float(o) else o for o in outs]
+      if rule == LOWER:
+        outs = self._tap(eqn, outs)
       return [Val(o) for o in outs]
     if rule == LOWER:
       vals = [cast(v.x, self.dtype) if _is_float(v.x) else v.x for v in ins]
       pet = params.get("preferred_element_type")
       if pet is not None and is_eligible(pet):
         params["preferred_element_type"] = self.dtype
-      outs = _bind(eqn, vals, params)
-      if self.taps is not None and not self._untapped:
-        outs = [self.taps.add(eqn, o) if _is_float(o) else o for o in outs]
+      outs = self._tap(eqn, _bind(eqn, vals, params))
       return [Val(o, Facts(lowp=_is_float(o) and np.dtype(o.dtype) == self.dtype)) for o in outs]
     if rule == FLOAT32:
       vals = [cast(v.x, jnp.float32) if _is_float(v.x) else v.x for v in ins]
@@ -338,7 +391,49 @@ class Interpreter:
       vals = self.promote(eqn, ins)
     return [Val(o) for o in _bind(eqn, vals, params)]
 
+  def _tap(self, eqn: Any, outs: list[Any], label: str | None = None) -> list[Any]:
+    """The outputs of a lower-precision primitive (or registered op), tapped (or counted
+    as untapped)."""
+    if self.taps is None:
+      return outs
+    if self._untapped:
+      if any(_is_float(o) for o in outs):
+        self.taps.skip()
+      return outs
+    return [self.taps.add(eqn, o, label) if _is_float(o) else o for o in outs]
+
+  def _user_tap_meets(self, eqn: Any, ins: list[Val]) -> str | None:
+    """A user's tap added to a tapped output: that output is tapped already.
+
+    Returns the tap name of an ``add`` of a tapped output and a lower-rank or
+    same-shape value that is not a user's tap (a bias): the sum has that output's
+    gradient.
+    """
+    taps = self.taps
+    if taps is None or eqn.primitive.name != "add" or len(ins) != 2:
+      return None
+    for a, b in ((ins[0].x, ins[1].x), (ins[1].x, ins[0].x)):
+      name = taps.tapped(a)
+      if name is None:
+        continue
+      if taps.is_user(b):
+        taps.duplicates.add(name)
+        return None
+      if np.size(b) <= np.size(a):
+        return name
+    return None
+
   def layout(self, eqn: Any, ins: list[Val]) -> list[Val]:
+    outs = self._layout(eqn, ins)
+    if self.taps is not None and len(ins) == 1 and len(outs) == 1:
+      if self.taps.is_user(ins[0].x):  # a layout of a user's tap (its cast) is that tap
+        self.taps.mark_user(outs[0].x)
+      name = self.taps.tapped(ins[0].x)
+      if name is not None and eqn.primitive.name in _RANK_KEEPING:
+        self.taps.same_as(outs[0].x, name)
+    return outs
+
+  def _layout(self, eqn: Any, ins: list[Val]) -> list[Val]:
     name = eqn.primitive.name
     if name == "convert_element_type":
       return [self.convert(eqn, ins[0])]

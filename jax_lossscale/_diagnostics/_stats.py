@@ -36,13 +36,46 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
+def _is_partial(x: Any) -> bool:
+  """An ``equinox.Partial`` (a module of ``func``, ``args``, ``keywords``)."""
+  return type(x).__name__ == "Partial" and all(hasattr(x, a) for a in ("func", "args", "keywords"))
+
+
+def _paths(tree: Any, root: Any = None) -> list[tuple[tuple[str, ...], Any]]:
+  """``(path names, leaf)`` in flattening order; an ``equinox.Partial``'s ``func``,
+  ``args`` and ``keywords`` are left out of the names (``head/weight``, not
+  ``head/func/weight``), unless that would give two leaves one name."""
+  out: list[tuple[tuple[str, ...], Any]] = []
+  flat = jax.tree_util.tree_flatten_with_path(
+    tree, is_leaf=lambda x: x is not root and _is_partial(x)
+  )[0]
+  for path, leaf in flat:
+    names = tuple(_key_name(k) for k in path)
+    if not _is_partial(leaf):
+      out.append((names, leaf))
+      continue
+    inner = _paths(leaf, root=leaf)
+    short = [(n[1:] if n[:1] in (("func",), ("keywords",), ("args",)) else n) for n, _ in inner]
+    if len(set(short)) < len(short):
+      short = [n for n, _ in inner]
+    out.extend((names + n, x) for n, (_, x) in zip(short, inner, strict=True))
+  return out
+
+
+def _is_float_leaf(leaf: Any) -> bool:
+  try:
+    return leaf is not None and is_float(leaf)
+  except TypeError:  # a non-array leaf (an Equinox module's function)
+    return False
+
+
 def named_float_leaves(tree: Any) -> list[tuple[str, Any]]:
   """``(name, leaf)`` for each floating-point leaf, in flattening order."""
   out, seen = [], set()
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if leaf is None or not is_float(leaf):
+  for path, leaf in _paths(tree):
+    if not _is_float_leaf(leaf):
       continue
-    name = "/".join(_key_name(k) for k in path) or "leaf"
+    name = "/".join(path) or "leaf"
     if name in seen:
       raise ValueError(f"grads has two leaves named {name!r}; give them distinct keys.")
     seen.add(name)
@@ -57,7 +90,9 @@ def grad_leaf_names(grads: PyTree) -> list[str]:
   is the leaf with the least headroom (strings cannot leave ``jit``, so the
   diagnostics return its index). Path entries are joined with ``/``: dict keys,
   sequence indices and attribute names (``"layers_0/attn/kernel"``,
-  ``"layers/0/weight"``); a bare array is named ``"leaf"``.
+  ``"layers/0/weight"``); a bare array is named ``"leaf"``. An
+  ``equinox.Partial`` adds no ``func/``, ``args/`` or ``keywords/`` to the
+  names of what it holds.
 
   Args:
     grads: a pytree (of arrays, ``jax.ShapeDtypeStruct`` s or tracers).
@@ -178,8 +213,10 @@ def grad_diagnostics(scaled_grads: optax.Updates, scale: ScaleLike) -> GradDiagn
   """Per-leaf statistics of the scaled gradients: where float16 overflows or underflows.
 
   Call it inside the train step on the gradients of the scaled loss (before
-  the optimizer) and return the dict with the step's metrics: every value is
-  a JAX scalar, there is no host sync and no Python control flow on values.
+  the optimizer) and return what it gives with the step's metrics: a read-only
+  mapping (:class:`GradDiagnostics`, a pytree; ``.flat()`` gives a plain dict of
+  host values) whose every value is a JAX scalar; there is no host sync and no
+  Python control flow on values.
   Each leaf is read once (one loop computes all its statistics), and the
   per-leaf arithmetic that follows is done on one vector for all leaves, so
   the cost is about one read of the gradients whatever the leaf count.

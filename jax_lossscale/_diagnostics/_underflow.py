@@ -56,6 +56,10 @@ class UnderflowReport(NamedTuple):
     finite_scaled: bool, whether the scaled half-precision gradients are
       finite.
     scale: float32, the loss scale of the scaled backward.
+    not_checked: what the automatic taps of an autocast ``loss_fn`` did not look
+      at: per kind of region (``"scan (12 iterations)"``, ``"while"``, ``"cond"``,
+      ``"custom_vjp_call"``...), int32 ``[regions, lower-precision outputs]`` (the
+      outputs counted once per region, not per iteration). Empty otherwise.
   """
 
   nonzero: dict[str, jax.Array]
@@ -64,6 +68,7 @@ class UnderflowReport(NamedTuple):
   finite_unscaled: jax.Array
   finite_scaled: jax.Array
   scale: jax.Array
+  not_checked: dict[str, jax.Array] = {}  # noqa: RUF012 (a NamedTuple's default, never mutated)
 
   def fractions(self, scaled: bool = False) -> dict[str, float]:
     """Per leaf, the share of float32-non-zero elements flushed to 0 (host floats)."""
@@ -132,6 +137,13 @@ class UnderflowReport(NamedTuple):
     head = "float16 without loss scaling flushes " + "; and ".join(parts)
     if not self.looked_at()["activations"]:
       head += " (parameter gradients only: pass activations= taps to check activations)"
+    if self.not_checked:
+      regions = ", ".join(f"{int(n[0])} {kind}" for kind, n in sorted(self.not_checked.items()))
+      outputs = sum(int(n[1]) for n in self.not_checked.values())
+      head += (
+        f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
+        "(pass activations= taps threaded through the loop as scanned inputs to check them)"
+      )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
     return f"does not need loss scaling here (threshold {threshold:.2%}): {head}."
@@ -162,7 +174,7 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
     return keys[:3] == [0, 0, "perturbations"]
 
   def call(v: Any, dtype: Any) -> Any:
-    taps = Taps(list(v["lowp"].values()))
+    taps = Taps(v["lowp"])
     args = (v["params"], batch, v["activations"]) if tapped else (v["params"], batch)
     reference = np.dtype(dtype) == np.float32  # the function as written
     return interpret(spec, dtype, args, taps=taps, follows=follows, as_written=reference)
@@ -170,14 +182,108 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
   return call
 
 
-def _lowp_taps(spec: Any, params: Any, batch: Any, taps: Any, dtype: Any) -> dict[str, Any]:
-  """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``."""
+def _lowp_taps(
+  spec: Any, params: Any, batch: Any, taps: Any, dtype: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``
+  (those a user's tap is added to left out: they are tapped once), and what was not
+  tapped: ``"<n> <primitive>[ (<k> iterations)]" -> [regions, outputs]`` as int32."""
   counted = Taps()
+
+  def follows(path: tuple[Any, ...]) -> bool:
+    keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
+    return keys[:2] == [0, 2] or keys[:3] == [0, 0, "perturbations"]
+
   args = (params, batch) if taps is None else (params, batch, taps)
-  jax.eval_shape(lambda *a: interpret(spec, dtype, a, taps=counted), *args)
-  return {
-    name: jnp.zeros(s.shape, s.dtype) for name, s in zip(counted.names, counted.shapes, strict=True)
+  jax.eval_shape(lambda *a: interpret(spec, dtype, a, taps=counted, follows=follows), *args)
+  zeros = {
+    name: jnp.zeros(s.shape, s.dtype)
+    for name, s in zip(counted.names, counted.shapes, strict=True)
+    if name not in counted.duplicates
   }
+  untapped = {
+    prim if length is None else f"{prim} ({length} iterations)": jnp.asarray(n, jnp.int32)
+    for (prim, length), n in counted.untapped.items()
+    if n[1]
+  }
+  return zeros, untapped
+
+
+_HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> None:
+  """Refuses a float32 tap added to a half-precision activation made float32 for it.
+
+  ``h + taps["h"]`` with a float32 tap inside an autocast function (or
+  ``h.astype(jnp.float32) + taps["h"]``) adds the tap to the float32 copy of ``h``:
+  its gradient is the float32 one, and the check would measure nothing.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(variables)[0]
+  closed = jax.make_jaxpr(lambda v: call(v, dtype))(variables)
+  names = {}
+  for var, (path, _) in zip(closed.jaxpr.invars, leaves, strict=True):
+    keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    if keys[:1] == ["activations"]:
+      names[var] = "/".join(keys[1:])
+  _walk_taps(closed.jaxpr, names, {})
+
+
+def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None:
+  from jax.extend.core import Var
+
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    ins = [v if isinstance(v, Var) else None for v in eqn.invars]
+    if name == "convert_element_type":
+      src = eqn.invars[0].aval.dtype
+      if ins[0] in taps:
+        taps[eqn.outvars[0]] = taps[ins[0]]
+      elif np.dtype(src) in _HALF and np.dtype(eqn.params["new_dtype"]) == np.float32:
+        upcast[eqn.outvars[0]] = src
+    elif name in ("add", "sub"):
+      for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
+        if a in taps and b in upcast and np.dtype(eqn.invars[0].aval.dtype) == np.float32:
+          raise ValueError(
+            f"activations: the tap {taps[a]!r} is added in float32 to a "
+            f"{np.dtype(upcast[b]).name} activation made float32 for it, so it measures the "
+            "float32 gradient. Cast the tap to the activation's dtype "
+            "(h + taps[...].astype(h.dtype)), or pass the autocast function itself as "
+            "loss_fn (its taps take the dtype of the activation they meet)."
+          )
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if (
+      name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint") and sub is not None
+    ):
+      inner = getattr(sub, "jaxpr", sub)
+      inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
+      inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}
+      if inner_taps:
+        _walk_taps(inner, inner_taps, inner_up)
+
+
+def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
+  """Params with their non-array leaves (an Equinox module's functions) held static."""
+  from jax_lossscale._autocast._arguments import is_array
+
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
+  if not any(static):
+    return params, loss_fn, spec
+  arrays = jax.tree_util.tree_unflatten(
+    treedef, [None if s else x for x, s in zip(leaves, static, strict=True)]
+  )
+
+  def combine(p: Any) -> Any:
+    got = jax.tree_util.tree_flatten(p, is_leaf=lambda x: x is None)[0]
+    return jax.tree_util.tree_unflatten(
+      treedef, [x if s else g for x, g, s in zip(leaves, got, static, strict=True)]
+    )
+
+  if spec is not None:
+    fun = spec.fun
+    return arrays, loss_fn, spec._replace(fun=lambda p, *a: fun(combine(p), *a))
+  return arrays, lambda p, *a: loss_fn(combine(p), *a), spec
 
 
 def check_underflow(
@@ -293,6 +399,7 @@ def check_underflow(
   """
   scale = scale_of(scale)
   spec = autocast_spec(loss_fn)
+  params, loss_fn, spec = _arrays_only(params, loss_fn, spec)
   tapped = activations is not None
   if tapped and isinstance(params, Mapping) and "activations" in params:
     raise ValueError(
@@ -310,19 +417,20 @@ def check_underflow(
     if half_dtype is None:
       half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
     call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped)
-    variables: Any = {
-      "params": params,
-      "activations": taps,
-      "lowp": _lowp_taps(spec, params, batch, taps, half_dtype),
-    }
+    lowp, not_checked = _lowp_taps(spec, params, batch, taps, half_dtype)
+    variables: Any = {"params": params, "activations": taps, "lowp": lowp}
   else:
     half_dtype = jnp.float16 if half_dtype is None else half_dtype
     variables = {"params": params, "activations": taps} if tapped else params
+    not_checked = {}
 
     def call(v: Any, dtype: Any) -> Any:
       if tapped:
         return loss_fn(v["params"], batch, dtype, v["activations"])
       return loss_fn(v, batch, dtype)
+
+    if tapped:
+      _check_taps_follow(call, variables, half_dtype)
 
   def grads(v, dtype, s):
     g = jax.grad(lambda q: jnp.asarray(call(q, dtype)).astype(jnp.float32) * s)(v)
@@ -361,4 +469,4 @@ def check_underflow(
     nonzero[name] = jnp.sum(nz, dtype=jnp.int32)
     lost1[name] = jnp.sum(nz & (flat1[name] == 0), dtype=jnp.int32)
     losts[name] = jnp.sum(nz & (flats[name] == 0), dtype=jnp.int32)
-  return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale)
+  return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale, not_checked)
