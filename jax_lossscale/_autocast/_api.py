@@ -16,12 +16,12 @@ from jax_lossscale._autocast import _composite
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._interpreter import AUTOCAST_MARK
-from jax_lossscale._autocast._interpreter import ELIGIBLE
 from jax_lossscale._autocast._interpreter import FLOAT32_MARK
 from jax_lossscale._autocast._interpreter import Facts
 from jax_lossscale._autocast._interpreter import Interpreter
 from jax_lossscale._autocast._interpreter import Taps
 from jax_lossscale._autocast._interpreter import Val
+from jax_lossscale._autocast._policy import ELIGIBLE
 from jax_lossscale._autocast._policy import check_policy
 from jax_lossscale._typing import DTypeLike
 

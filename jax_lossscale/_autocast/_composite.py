@@ -42,13 +42,13 @@ from jax_lossscale._autocast._interpreter import Facts
 from jax_lossscale._autocast._interpreter import Interpreter
 from jax_lossscale._autocast._interpreter import Val
 from jax_lossscale._autocast._interpreter import cast
-from jax_lossscale._autocast._interpreter import is_eligible
 from jax_lossscale._autocast._interpreter import torch_promote
 from jax_lossscale._autocast._policy import COMPOSITE_RULES
 from jax_lossscale._autocast._policy import FLOAT32
 from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
 from jax_lossscale._autocast._policy import LOWER
 from jax_lossscale._autocast._policy import PROMOTE
+from jax_lossscale._autocast._policy import is_eligible
 from jax_lossscale._autocast._policy import nearest
 
 __all__ = ("autocast_op", "evaluate", "registrations", "tracing", "tracing_dtype")

@@ -39,14 +39,13 @@ from jax_lossscale._autocast._errors import where
 from jax_lossscale._autocast._policy import FLOAT32
 from jax_lossscale._autocast._policy import LOWER
 from jax_lossscale._autocast._policy import PROMOTE
+from jax_lossscale._autocast._policy import is_eligible
 
 __all__ = ("NO_FACTS", "Facts", "Interpreter", "Taps", "Val", "cast", "is_eligible")
 
 # jax.extend.core exports it from jax 0.10 on; jax 0.9 has it in jax._src.core only.
 _jaxprs_in_params: Any = getattr(jex, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
 
-#: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
-ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
 #: The name prefixes of the ``jit`` regions the interpreter does not interpret.
 FLOAT32_MARK = "jls_float32"
@@ -175,14 +174,6 @@ def _scopes(name_stack: Any) -> str:
 
 #: The higher-order primitives inside which no output is tapped.
 _UNTAPPED = frozenset({"scan", "while", "cond", "shard_map", "custom_jvp_call", "custom_vjp_call"})
-
-
-def is_eligible(dtype: Any) -> bool:
-  """Whether autocast casts arrays of ``dtype`` (float16, bfloat16, float32)."""
-  try:
-    return np.dtype(dtype) in ELIGIBLE
-  except TypeError:  # an extended dtype (PRNG keys)
-    return False
 
 
 def _is_float(x: Any) -> bool:

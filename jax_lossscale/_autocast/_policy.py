@@ -22,12 +22,15 @@ from typing import Any
 from typing import NamedTuple
 
 import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
 
 from jax_lossscale._autocast import _primitives as prims
 
 __all__ = (
   "COMPOSITE_RULES",
   "DEFAULT_POLICY",
+  "ELIGIBLE",
   "FLOAT32",
   "FLOAT32_COMPUTE",
   "LOWER",
@@ -37,7 +40,20 @@ __all__ = (
   "PolicyRow",
   "autocast_policy",
   "check_policy",
+  "is_eligible",
 )
+
+#: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
+ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+
+
+def is_eligible(dtype: Any) -> bool:
+  """Whether autocast casts arrays of ``dtype`` (float16, bfloat16, float32)."""
+  try:
+    return np.dtype(dtype) in ELIGIBLE
+  except TypeError:  # an extended dtype (PRNG keys)
+    return False
+
 
 #: Run in the autocast dtype (float16 or bfloat16): float32 operands are cast down.
 LOWER = "lower"
