@@ -298,7 +298,9 @@ def test_a_nested_jit_keeps_inline_keep_unused_and_a_partial_in_sharding():
   for a, b in zip(ours, theirs, strict=True):
     assert a.params["inline"] == b.params["inline"]
     assert a.params["keep_unused"] == b.params["keep_unused"]
-  assert [e.params["inline"] for e in ours] == [True, False]
+  # jax <= 0.10 spells `inline` as a bool; jax >= 0.11 as an enum (True is JAX_LATE).
+  inline_params = [str(getattr(e.params["inline"], "value", e.params["inline"])) for e in ours]
+  assert inline_params in (["True", "False"], ["jax_late", "auto"]), inline_params
   assert [e.params["keep_unused"] for e in ours] == [False, True]
   assert ours[0].params["in_shardings"][0].spec == P("d")
   assert ours[0].params["out_shardings"][0].spec == P("d")

@@ -8,6 +8,7 @@ kernel-language module, whose primitives exist only inside a ``pallas_call``).
 import importlib
 import pkgutil
 import sys
+import types
 
 import jax
 import jax.extend.core as jex
@@ -16,6 +17,7 @@ import pytest
 from jax_lossscale._autocast import _interpreter
 from jax_lossscale._autocast import _policy
 from jax_lossscale._autocast import _primitives as prims
+from jax_lossscale._autocast._errors import UnsupportedPrimitiveError
 
 
 def _jax_primitives():
@@ -49,7 +51,33 @@ PRIMITIVES = _jax_primitives()
 def test_every_name_in_the_table_is_a_primitive_of_this_jax():
   names = {p.name for p, _ in PRIMITIVES}
   missing = sorted(n for n in prims.table_names() if n not in names)
-  assert not missing, f"names in the kind table that this JAX does not define: {missing}"
+  assert not missing, (
+    f"names in the kind table that jax {jax.__version__} does not define (if a JAX version "
+    f"removed them, give them their last version in _primitives._VERSIONED): {missing}"
+  )
+
+
+def test_each_version_specific_name_is_defined_exactly_in_its_versions():
+  # The ranges of _VERSIONED are facts of each JAX version, checked on each one run: a
+  # name outside its range that this JAX defines means the range is wrong.
+  names = {p.name for p, _ in PRIMITIVES}
+  version = prims.jax_minor()
+  assert prims.OLDEST_TESTED <= version, version
+  wrong = sorted(
+    f"{name} (listed for {first}-{last or 'newest'})"
+    for name, (first, last) in prims.versioned_names().items()
+    if (name in names) != prims.defined_in(name, version)
+  )
+  assert not wrong, f"version ranges that jax {jax.__version__} contradicts: {wrong}"
+
+
+def test_the_table_of_another_version_differs_only_in_the_versioned_names():
+  # jax 0.11 replaced closed_call by eval_jaxpr; both versions' tables have a call primitive.
+  old, new = prims.table_names((0, 10)), prims.table_names((0, 12))
+  assert "closed_call" in old and "closed_call" not in new
+  assert old["eval_jaxpr"] == new["eval_jaxpr"] == prims.HIGHER_ORDER
+  assert new["log2"] == prims.FIRST_ORDER and "log2" not in old
+  assert set(old) ^ set(new) <= set(prims.versioned_names())
 
 
 def test_every_primitive_of_this_jax_has_a_kind():
@@ -67,9 +95,19 @@ def test_every_policy_row_is_a_first_order_primitive():
 
 
 def test_every_higher_order_kind_has_a_handler():
-  for name, kind in prims.table_names().items():
-    if kind == prims.HIGHER_ORDER:
-      assert name in _interpreter.HANDLERS, name
+  for version in [(0, minor) for minor in range(9, prims.NEWEST_TESTED[1] + 1)]:
+    for name, kind in prims.table_names(version).items():
+      if kind == prims.HIGHER_ORDER:
+        assert (name in _interpreter.HANDLERS) != (name in prims.UNHANDLED), (version, name)
+
+
+def test_an_unhandled_higher_order_primitive_raises_naming_it():
+  prim = jex.Primitive(prims.UNHANDLED[0])
+  assert prims.kind(prim) == prims.HIGHER_ORDER
+  eqn = types.SimpleNamespace(primitive=prim, params={}, source_info=None)
+  interp = _interpreter.Interpreter(jax.numpy.float16, _policy.check_policy(None))
+  with pytest.raises(UnsupportedPrimitiveError, match=rf"`{prims.UNHANDLED[0]}`"):
+    interp.eval_eqn(eqn, [])
 
 
 def test_the_table_is_keyed_by_objects_where_jax_exports_them():

@@ -5,7 +5,10 @@ One table, keyed by the ``Primitive`` objects that JAX exports (``jax.lax.*_p`` 
 object for (``shard_map``, ``pallas_call``, the callbacks...). Every primitive of the
 installed JAX has a kind; ``tests/test_autocast_primitives.py`` fails on a name here
 that is no primitive of the installed JAX, and on a primitive of JAX that has no kind
-(a new primitive after an upgrade), so the table cannot drift silently.
+(a new primitive after an upgrade), so the table cannot drift silently. The primitives
+that only some of the tested JAX versions (0.9 to 0.12) define are listed apart, each
+with the versions that define it (``_VERSIONED``), and the drift test checks those
+ranges too.
 
 The kinds:
 
@@ -22,9 +25,11 @@ The kinds:
   bitcasts, cuDNN's fused attention, linear solves): its operands go back to the dtypes
   the function was traced with and it runs exactly as written.
 * ``HIGHER_ORDER``: holds sub-jaxprs that autocast interprets (jit, remat, scan, while,
-  cond, shard_map, custom_jvp, custom_vjp, closed_call): rebound as the same primitive
-  with every parameter, only the sub-jaxprs swapped (custom_jvp and custom_vjp are
-  rebuilt through their public constructors, since their rules are traced lazily).
+  cond, shard_map, custom_jvp, custom_vjp): rebound as the same primitive with every
+  parameter, only the sub-jaxprs swapped (custom_jvp and custom_vjp are rebuilt through
+  their public constructors, since their rules are traced lazily); the call primitives
+  (closed_call, and eval_jaxpr from jax 0.11) are inlined. The ones in ``UNHANDLED``
+  raise ``UnsupportedPrimitiveError``.
 * ``KERNEL``: exists only inside a Pallas or Mosaic kernel body, which autocast never
   enters (the ``pallas_call`` around it runs as written).
 """
@@ -44,13 +49,19 @@ __all__ = (
   "KERNEL_MODULES",
   "KIND_DESCRIPTIONS",
   "LAYOUT",
+  "NEWEST_TESTED",
+  "OLDEST_TESTED",
   "RULED_KINDS",
   "SCATTER",
+  "UNHANDLED",
   "NamedPrimitive",
   "by_name",
+  "defined_in",
+  "jax_minor",
   "kind",
   "resolve",
   "table_names",
+  "versioned_names",
 )
 
 FIRST_ORDER = "first_order"
@@ -83,6 +94,8 @@ KERNEL_MODULES = (
   "jax._src.pallas.primitives",
   "jax._src.pallas.einshape",
   "jax._src.pallas.fuser.fusible_dtype",
+  # jax 0.12's thunky: a program for XLA:GPU's thunk executor, written in its own primitives
+  "jax._src.thunky",
 )
 
 _KINDS: dict[str, tuple[str, ...]] = {
@@ -139,7 +152,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "max",
     "min",
     "mul",
-    "mulhi",
     "ne",
     "neg",
     "nextafter",
@@ -201,7 +213,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "householder_product",
     "lu",
     "lu_pivots_to_permutation",
-    "ormqr",
     "qr",
     "schur",
     "svd",
@@ -233,8 +244,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "layout_constraint",
     "reshard",
     "tile",
-    "stack",
-    "unstack",
   ),
   SCATTER: ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
   INDEPENDENT: (
@@ -254,30 +263,11 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "preduced",
     "unreduced_psum",
     "unreduced_reduce_scatter",
-    "reduced_vary_cast_p",
-    "vary_unreduced_cast_p",
     "psend",
     "precv",
-    "all_gather_start",
-    "all_gather_done",
-    "all_gather_reduced_start",
-    "all_to_all_start",
-    "all_to_all_done",
-    "pbroadcast_start",
-    "pbroadcast_done",
-    "ppermute_start",
-    "ppermute_done",
-    "psum_start",
-    "psum_done",
-    "psum_invariant_start",
-    "reduce_scatter_start",
-    "reduce_scatter_done",
-    "unreduced_psum_start",
-    "unreduced_reduce_scatter_start",
     "optimization_barrier",
     "device_put",
     "sort",
-    "shard_alike",
     "host_local_array_to_global_array",
     "global_array_to_host_local_array",
   ),
@@ -318,9 +308,7 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "xla_metadata_call",
     # opaque kernels and custom calls
     "pallas_call",
-    "core_map",
     "mpmd_map",
-    "fusible",
     "custom_fusion",
     "ffi_call",
     "tpu_custom_call",
@@ -382,9 +370,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "random_clone",
     "random_gamma",
     "threefry2x32",
-    "threefry4x32",
-    "philox2x32",
-    "philox4x32",
     "empty",
     "empty2",
     "to_edtype",
@@ -395,7 +380,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "xla_metadata_value",
     "dce_sink",
     "tie",
-    "stage",
     # mutable references and boxes (their dtype is the reference's)
     "get",
     "swap",
@@ -410,22 +394,14 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "unpin",
     "create_linear",
     "broadcast_to",
-    "box_get",
-    "box_set",
-    "new_box",
-    "log_extend",
-    "log_read",
-    "new_log",
     "call_hi_primitive",
     "call_hi_primitive_linearized",
     "with_memory_space_constraint",
     "remove_memory_space",
-    "eval_jaxpr",
   ),
   HIGHER_ORDER: (
     "jit",
-    "closed_call",
-    "call",
+    "eval_jaxpr",
     "remat2",
     "scan",
     "while",
@@ -435,6 +411,117 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "custom_vjp_call",
   ),
 }
+
+
+#: The JAX minor versions the table is checked against (tests/test_autocast_primitives.py,
+#: run on each of them: docs/versions.md).
+OLDEST_TESTED = (0, 9)
+NEWEST_TESTED = (0, 12)
+
+_V09, _V10, _V11, _V12 = (0, 9), (0, 10), (0, 11), (0, 12)
+
+#: The primitives only some of the tested JAX versions define: name -> (kind, the first
+#: minor version that defines it, the last one, ``None`` if the newest tested still does).
+#: The names above are defined by every tested version. The drift test checks both ways:
+#: a name is defined by the installed JAX exactly when its range holds that version.
+_VERSIONED: dict[str, tuple[str, tuple[int, int], tuple[int, int] | None]] = {
+  # jax 0.9 only
+  "ag_start": (INDEPENDENT, _V09, _V09),
+  "ag_done": (INDEPENDENT, _V09, _V09),
+  "full_to_shard": (INDEPENDENT, _V09, _V09),
+  "shard_to_full": (INDEPENDENT, _V09, _V09),
+  "sparse_dense_matmul": (AS_WRITTEN, _V09, _V09),
+  "sparse_pack_nm": (AS_WRITTEN, _V09, _V09),
+  # jax.experimental.custom_dce and custom_transpose (their rules are opaque to autocast)
+  "custom_dce_call": (AS_WRITTEN, _V09, _V09),
+  "dce_sential": (AS_WRITTEN, _V09, _V09),
+  "custom_transpose_call": (AS_WRITTEN, _V09, _V09),
+  # jax.pmap's own primitive: autocast has no rule for it and raises
+  # UnsupportedPrimitiveError (see UNHANDLED); from jax 0.10 pmap is a shard_map.
+  "xla_pmap": (HIGHER_ORDER, _V09, _V09),
+  # jax 0.9 and 0.10 (the call primitives became eval_jaxpr in jax 0.11)
+  "call": (HIGHER_ORDER, _V09, _V10),
+  "closed_call": (HIGHER_ORDER, _V09, _V10),
+  "shard_alike": (INDEPENDENT, _V09, _V10),
+  "core_map": (AS_WRITTEN, _V09, _V10),
+  "fusible": (AS_WRITTEN, _V09, _V10),
+  "box_get": (AS_WRITTEN, _V09, _V10),
+  "box_set": (AS_WRITTEN, _V09, _V10),
+  "new_box": (AS_WRITTEN, _V09, _V10),
+  # jax 0.9 to 0.11 (renamed without the `_p` in jax 0.12)
+  "reduced_vary_cast_p": (INDEPENDENT, _V09, _V11),
+  "vary_unreduced_cast_p": (INDEPENDENT, _V09, _V11),
+  # jax 0.10 only
+  "pbroadcast_start": (INDEPENDENT, _V10, _V10),
+  "pbroadcast_done": (INDEPENDENT, _V10, _V10),
+  "psum_start": (INDEPENDENT, _V10, _V10),
+  "unreduced_psum_start": (INDEPENDENT, _V10, _V10),
+  "unreduced_reduce_scatter_start": (INDEPENDENT, _V10, _V10),
+  "log_extend": (AS_WRITTEN, _V10, _V10),
+  "log_read": (AS_WRITTEN, _V10, _V10),
+  "new_log": (AS_WRITTEN, _V10, _V10),
+  # from jax 0.10
+  "mulhi": (FIRST_ORDER, _V10, None),
+  "ormqr": (FIRST_ORDER, _V10, None),
+  "stack": (LAYOUT, _V10, None),
+  "unstack": (LAYOUT, _V10, None),
+  "all_gather_start": (INDEPENDENT, _V10, None),
+  "all_gather_done": (INDEPENDENT, _V10, None),
+  "all_gather_reduced_start": (INDEPENDENT, _V10, None),
+  "all_to_all_start": (INDEPENDENT, _V10, None),
+  "all_to_all_done": (INDEPENDENT, _V10, None),
+  "ppermute_start": (INDEPENDENT, _V10, None),
+  "ppermute_done": (INDEPENDENT, _V10, None),
+  "psum_done": (INDEPENDENT, _V10, None),
+  "psum_invariant_start": (INDEPENDENT, _V10, None),
+  "reduce_scatter_start": (INDEPENDENT, _V10, None),
+  "reduce_scatter_done": (INDEPENDENT, _V10, None),
+  "philox2x32": (AS_WRITTEN, _V10, None),
+  "philox4x32": (AS_WRITTEN, _V10, None),
+  "threefry4x32": (AS_WRITTEN, _V10, None),
+  "stage": (AS_WRITTEN, _V10, None),
+  # from jax 0.11 (jnp.log2 is its own primitive there; log followed by a div before)
+  "log2": (FIRST_ORDER, _V11, None),
+  "one_minus_square": (FIRST_ORDER, _V11, None),
+  "relayout": (LAYOUT, _V11, None),
+  "unreduced_pmax": (INDEPENDENT, _V11, None),
+  "unreduced_pmin": (INDEPENDENT, _V11, None),
+  # jax.experimental's program_order region: opaque, it runs as written
+  "program_order": (AS_WRITTEN, _V11, None),
+  # from jax 0.12
+  "polynomial": (FIRST_ORDER, _V12, None),
+  "pbroadcast_dynamic": (INDEPENDENT, _V12, None),
+  "reduced_vary_cast": (INDEPENDENT, _V12, None),
+  "vary_unreduced_cast": (INDEPENDENT, _V12, None),
+}
+
+#: Higher-order primitives autocast has no rule for: it raises UnsupportedPrimitiveError
+#: on them (wrap the region in ``jax_lossscale.float32`` to run it as written).
+UNHANDLED = ("xla_pmap",)
+
+
+def jax_minor() -> tuple[int, int]:
+  """The installed JAX's (major, minor) version."""
+  return (int(jax.__version_info__[0]), int(jax.__version_info__[1]))
+
+
+def defined_in(name: str, version: tuple[int, int]) -> bool:
+  """Whether the tested JAX ``version`` (major, minor) defines the primitive ``name``."""
+  if name not in _VERSIONED:
+    return True
+  _, first, last = _VERSIONED[name]
+  return first <= version and (last is None or version <= last)
+
+
+def versioned_names() -> dict[str, tuple[tuple[int, int], tuple[int, int] | None]]:
+  """The names only some tested JAX versions define, each with its (first, last) version."""
+  return {name: (first, last) for name, (_, first, last) in _VERSIONED.items()}
+
+
+def _all_kinds() -> dict[str, str]:
+  kinds = {name: k for k, names in _KINDS.items() for name in names}
+  kinds.update({name: k for name, (k, _, _) in _VERSIONED.items()})
+  return kinds
 
 
 def _exported(name: str) -> jex.Primitive | None:
@@ -449,13 +536,12 @@ def _exported(name: str) -> jex.Primitive | None:
 def _build() -> tuple[dict[jex.Primitive, str], dict[str, str]]:
   by_object: dict[jex.Primitive, str] = {}
   by_name: dict[str, str] = {}
-  for k, names in _KINDS.items():
-    for name in names:
-      prim = _exported(name)
-      if prim is not None:
-        by_object[prim] = k
-      else:
-        by_name[name] = k
+  for name, k in _all_kinds().items():
+    prim = _exported(name)
+    if prim is not None:
+      by_object[prim] = k
+    else:
+      by_name[name] = k
   return by_object, by_name
 
 
@@ -500,6 +586,8 @@ def by_name(name: str) -> jex.Primitive | None:
   return None
 
 
-def table_names() -> dict[str, str]:
-  """Every name of the table with its kind (for the drift test)."""
-  return {name: k for k, names in _KINDS.items() for name in names}
+def table_names(version: tuple[int, int] | None = None) -> dict[str, str]:
+  """Every name of the table that JAX ``version`` (the installed one by default) defines,
+  with its kind (for the drift test)."""
+  version = jax_minor() if version is None else version
+  return {name: k for name, k in _all_kinds().items() if defined_in(name, version)}
