@@ -130,3 +130,32 @@ def test_the_table_is_keyed_by_objects_where_jax_exports_them():
 def test_a_wrong_policy_key_or_rule_is_refused_naming_the_nearest(policy, match):
   with pytest.raises(ValueError, match=match):
     _policy.check_policy(policy)
+
+
+def _eqn(name, params):
+  return types.SimpleNamespace(primitive=jex.Primitive(name), params=params, source_info=None)
+
+
+def test_a_parameter_missing_in_this_jax_raises_naming_the_version_and_the_parameter():
+  eqn = _eqn("while", {"body_jaxpr": None})
+  with pytest.raises(UnsupportedPrimitiveError) as raised:
+    _interpreter._param(eqn, "cond_jaxpr")
+  message = str(raised.value)
+  assert f"'cond_jaxpr' is missing in jax {jax.__version__}" in message, message
+  assert "['body_jaxpr']" in message and "`while`" in message, message
+  # a renamed parameter is read under its other spelling
+  assert _interpreter._param(_eqn("eval_jaxpr", {"jaxpr": 1}), "call_jaxpr", "jaxpr") == 1
+
+
+def test_scans_layout_is_read_in_each_spelling():
+  # jax 0.9-0.10: num_consts and num_carry; jax >= 0.11: ft_in, a flat tree (consts, carry, xs).
+  assert _interpreter._scan_layout(_eqn("scan", {"num_consts": 2, "num_carry": 1})) == (2, 1)
+  with pytest.raises(UnsupportedPrimitiveError, match=r"'num_consts' is missing in jax"):
+    _interpreter._scan_layout(_eqn("scan", {"length": 3}))
+  scan = jax.make_jaxpr(lambda c, xs, w: jax.lax.scan(lambda c, x: (c * w + x, c), c, xs))(
+    1.0, jax.numpy.ones(3), 2.0
+  )
+  (eqn,) = [e for e in scan.jaxpr.eqns if e.primitive.name == "scan"]
+  assert _interpreter._scan_layout(eqn) == (1, 1)
+  new = _interpreter._scan_with_leading_consts(eqn, dict(eqn.params), 2)
+  assert _interpreter._scan_layout(_eqn("scan", new)) == (3, 1)
