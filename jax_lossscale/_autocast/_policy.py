@@ -150,7 +150,7 @@ def _default_policy() -> dict[jex.Primitive, str]:
   policy = {prims.resolve(row.primitive): row.rule for row in POLICY_TABLE}
   rules = {row.primitive: row.rule for row in POLICY_TABLE}
   for name, row in VERSIONED_ROWS.items():
-    if prims.defined_in(name, prims.jax_minor()):
+    if prims.defined_in(name, prims.jax_release()):
       policy[prims.resolve(name)] = rules[row]
   return policy
 

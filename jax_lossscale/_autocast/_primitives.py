@@ -49,6 +49,7 @@ __all__ = (
   "KERNEL_MODULES",
   "KIND_DESCRIPTIONS",
   "LAYOUT",
+  "CHECKED_RELEASES",
   "NEWEST_TESTED",
   "OLDEST_TESTED",
   "RULED_KINDS",
@@ -57,7 +58,7 @@ __all__ = (
   "NamedPrimitive",
   "by_name",
   "defined_in",
-  "jax_minor",
+  "jax_release",
   "kind",
   "resolve",
   "table_names",
@@ -308,7 +309,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "xla_metadata_call",
     # opaque kernels and custom calls
     "pallas_call",
-    "mpmd_map",
     "custom_fusion",
     "ffi_call",
     "tpu_custom_call",
@@ -325,7 +325,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "dot_product_attention_fp8_bwd_wrapper",
     "scaled_matmul",
     "scaled_matmul_wrapper",
-    "scaled_dot",
     "call_exported",
     # host callbacks and debugging
     "pure_callback",
@@ -385,8 +384,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "swap",
     "addupdate",
     "new_ref",
-    "empty_ref",
-    "free_ref",
     "freeze",
     "accum_grad_in_ref",
     "run_state",
@@ -413,53 +410,62 @@ _KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
-#: The JAX minor versions the table is checked against (tests/test_autocast_primitives.py,
-#: run on each of them: docs/versions.md).
-OLDEST_TESTED = (0, 9)
-NEWEST_TESTED = (0, 12)
+#: The JAX releases whose primitives the table was checked against (every primitive each one
+#: defines, from jax 0.9.0, the oldest supported, to the newest): tests/test_autocast_primitives.py
+#: checks the installed one; docs/getting-started.md has the runs.
+CHECKED_RELEASES = ((0, 9, 0), (0, 9, 1), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0))
+OLDEST_TESTED = CHECKED_RELEASES[0]
+NEWEST_TESTED = CHECKED_RELEASES[-1]
 
-_V09, _V10, _V11, _V12 = (0, 9), (0, 10), (0, 11), (0, 12)
+_V090, _V091 = (0, 9, 0), (0, 9, 1)
+_V10, _V11, _V12 = (0, 10, 0), (0, 11, 0), (0, 12, 0)
 
-#: The primitives only some of the tested JAX versions define: name -> (kind, the first
-#: minor version that defines it, the last one, ``None`` if the newest tested still does).
-#: The names above are defined by every tested version. The drift test checks both ways:
-#: a name is defined by the installed JAX exactly when its range holds that version.
-_VERSIONED: dict[str, tuple[str, tuple[int, int], tuple[int, int] | None]] = {
-  # jax 0.9 only
-  "ag_start": (INDEPENDENT, _V09, _V09),
-  "ag_done": (INDEPENDENT, _V09, _V09),
-  "full_to_shard": (INDEPENDENT, _V09, _V09),
-  "shard_to_full": (INDEPENDENT, _V09, _V09),
-  "sparse_dense_matmul": (AS_WRITTEN, _V09, _V09),
-  "sparse_pack_nm": (AS_WRITTEN, _V09, _V09),
+#: The primitives only some JAX releases define: name -> (kind, the first release that
+#: defines it, the first that no longer does, ``None`` if the newest still does). The
+#: names above are defined by every release from jax 0.9.0 on. The drift test checks both
+#: ways: the installed JAX defines a name exactly when its range holds the installed release.
+_VERSIONED: dict[str, tuple[str, tuple[int, int, int], tuple[int, int, int] | None]] = {
+  # jax 0.9 only (pgather in 0.9.0 only; ag_start and ag_done from 0.9.1)
+  "pgather": (INDEPENDENT, _V090, _V091),
+  "ag_start": (INDEPENDENT, _V091, _V10),
+  "ag_done": (INDEPENDENT, _V091, _V10),
+  "full_to_shard": (INDEPENDENT, _V090, _V10),
+  "shard_to_full": (INDEPENDENT, _V090, _V10),
+  "sparse_dense_matmul": (AS_WRITTEN, _V090, _V10),
+  "sparse_pack_nm": (AS_WRITTEN, _V090, _V10),
   # jax.experimental.custom_dce and custom_transpose (their rules are opaque to autocast)
-  "custom_dce_call": (AS_WRITTEN, _V09, _V09),
-  "dce_sential": (AS_WRITTEN, _V09, _V09),
-  "custom_transpose_call": (AS_WRITTEN, _V09, _V09),
+  "custom_dce_call": (AS_WRITTEN, _V090, _V10),
+  "dce_sential": (AS_WRITTEN, _V090, _V10),
+  "custom_transpose_call": (AS_WRITTEN, _V090, _V10),
   # jax.pmap's own primitive: autocast has no rule for it and raises
   # UnsupportedPrimitiveError (see UNHANDLED); from jax 0.10 pmap is a shard_map.
-  "xla_pmap": (HIGHER_ORDER, _V09, _V09),
+  "xla_pmap": (HIGHER_ORDER, _V090, _V10),
   # jax 0.9 and 0.10 (the call primitives became eval_jaxpr in jax 0.11)
-  "call": (HIGHER_ORDER, _V09, _V10),
-  "closed_call": (HIGHER_ORDER, _V09, _V10),
-  "shard_alike": (INDEPENDENT, _V09, _V10),
-  "core_map": (AS_WRITTEN, _V09, _V10),
-  "fusible": (AS_WRITTEN, _V09, _V10),
-  "box_get": (AS_WRITTEN, _V09, _V10),
-  "box_set": (AS_WRITTEN, _V09, _V10),
-  "new_box": (AS_WRITTEN, _V09, _V10),
+  "call": (HIGHER_ORDER, _V090, _V11),
+  "closed_call": (HIGHER_ORDER, _V090, _V11),
+  "shard_alike": (INDEPENDENT, _V090, _V11),
+  "core_map": (AS_WRITTEN, _V090, _V11),
+  "fusible": (AS_WRITTEN, _V090, _V11),
+  "box_get": (AS_WRITTEN, _V090, _V11),
+  "box_set": (AS_WRITTEN, _V090, _V11),
+  "new_box": (AS_WRITTEN, _V090, _V11),
   # jax 0.9 to 0.11 (renamed without the `_p` in jax 0.12)
-  "reduced_vary_cast_p": (INDEPENDENT, _V09, _V11),
-  "vary_unreduced_cast_p": (INDEPENDENT, _V09, _V11),
+  "reduced_vary_cast_p": (INDEPENDENT, _V090, _V12),
+  "vary_unreduced_cast_p": (INDEPENDENT, _V090, _V12),
+  # from jax 0.9.1
+  "scaled_dot": (AS_WRITTEN, _V091, None),
+  "mpmd_map": (AS_WRITTEN, _V091, None),
+  "empty_ref": (AS_WRITTEN, _V091, None),
+  "free_ref": (AS_WRITTEN, _V091, None),
   # jax 0.10 only
-  "pbroadcast_start": (INDEPENDENT, _V10, _V10),
-  "pbroadcast_done": (INDEPENDENT, _V10, _V10),
-  "psum_start": (INDEPENDENT, _V10, _V10),
-  "unreduced_psum_start": (INDEPENDENT, _V10, _V10),
-  "unreduced_reduce_scatter_start": (INDEPENDENT, _V10, _V10),
-  "log_extend": (AS_WRITTEN, _V10, _V10),
-  "log_read": (AS_WRITTEN, _V10, _V10),
-  "new_log": (AS_WRITTEN, _V10, _V10),
+  "pbroadcast_start": (INDEPENDENT, _V10, _V11),
+  "pbroadcast_done": (INDEPENDENT, _V10, _V11),
+  "psum_start": (INDEPENDENT, _V10, _V11),
+  "unreduced_psum_start": (INDEPENDENT, _V10, _V11),
+  "unreduced_reduce_scatter_start": (INDEPENDENT, _V10, _V11),
+  "log_extend": (AS_WRITTEN, _V10, _V11),
+  "log_read": (AS_WRITTEN, _V10, _V11),
+  "new_log": (AS_WRITTEN, _V10, _V11),
   # from jax 0.10
   "mulhi": (FIRST_ORDER, _V10, None),
   "ormqr": (FIRST_ORDER, _V10, None),
@@ -500,22 +506,23 @@ _VERSIONED: dict[str, tuple[str, tuple[int, int], tuple[int, int] | None]] = {
 UNHANDLED = ("xla_pmap",)
 
 
-def jax_minor() -> tuple[int, int]:
-  """The installed JAX's (major, minor) version."""
-  return (int(jax.__version_info__[0]), int(jax.__version_info__[1]))
+def jax_release() -> tuple[int, int, int]:
+  """The installed JAX's (major, minor, patch) release."""
+  major, minor, patch = (int(v) for v in jax.__version_info__[:3])
+  return (major, minor, patch)
 
 
-def defined_in(name: str, version: tuple[int, int]) -> bool:
-  """Whether the tested JAX ``version`` (major, minor) defines the primitive ``name``."""
+def defined_in(name: str, release: tuple[int, ...]) -> bool:
+  """Whether JAX ``release`` (major, minor, patch) defines the primitive ``name``."""
   if name not in _VERSIONED:
     return True
-  _, first, last = _VERSIONED[name]
-  return first <= version and (last is None or version <= last)
+  _, first, until = _VERSIONED[name]
+  return first <= tuple(release) and (until is None or tuple(release) < until)
 
 
-def versioned_names() -> dict[str, tuple[tuple[int, int], tuple[int, int] | None]]:
-  """The names only some tested JAX versions define, each with its (first, last) version."""
-  return {name: (first, last) for name, (_, first, last) in _VERSIONED.items()}
+def versioned_names() -> dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]]:
+  """The names only some JAX releases define: (the first release, the first without it)."""
+  return {name: (first, until) for name, (_, first, until) in _VERSIONED.items()}
 
 
 def _all_kinds() -> dict[str, str]:
@@ -586,8 +593,8 @@ def by_name(name: str) -> jex.Primitive | None:
   return None
 
 
-def table_names(version: tuple[int, int] | None = None) -> dict[str, str]:
-  """Every name of the table that JAX ``version`` (the installed one by default) defines,
+def table_names(release: tuple[int, ...] | None = None) -> dict[str, str]:
+  """Every name of the table that JAX ``release`` (the installed one by default) defines,
   with its kind (for the drift test)."""
-  version = jax_minor() if version is None else version
-  return {name: k for name, k in _all_kinds().items() if defined_in(name, version)}
+  release = jax_release() if release is None else release
+  return {name: k for name, k in _all_kinds().items() if defined_in(name, release)}
