@@ -72,11 +72,27 @@ def test_a_weakly_typed_scalar_does_not_promote_a_zero_dim_float16_tensor():
 def test_a_handler_missing_a_parameter_raises_naming_it(monkeypatch):
   # A jax version whose higher-order primitive lacks a parameter the handler reads.
   def handler(interp, eqn, invals):
-    return eqn.params["no_such_param"]
+    return _interpreter._param(eqn, "no_such_param", "its_old_name")
 
   monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
-  with pytest.raises(AutocastError, match="its parameter 'no_such_param' is missing"):
+  with pytest.raises(
+    AutocastError,
+    match=rf"`cond`.*its parameter 'no_such_param' or 'its_old_name' is missing in jax "
+    rf"{jax.__version__}, whose parameters for it are \['branches'\]",
+  ):
+    autocast(f)(True, jnp.ones(3))
+
+
+def test_a_key_error_inside_a_handler_is_not_taken_for_a_missing_parameter(monkeypatch):
+  # Only the parameter reads turn a missing key into UnsupportedPrimitiveError: a KeyError
+  # from anything else a handler does (a bug) propagates as itself.
+  def handler(interp, eqn, invals):
+    return {}["not_a_parameter"]
+
+  monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
+  f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
+  with pytest.raises(KeyError, match="not_a_parameter"):
     autocast(f)(True, jnp.ones(3))
 
 
