@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 import contextlib
 import functools
+import importlib
 from typing import Any
 from typing import NamedTuple
 
@@ -500,12 +501,12 @@ def _scan_with_leading_consts(eqn: Any, params: dict[str, Any], k: int) -> dict[
     if "linear" in params:
       new["linear"] = (False,) * k + tuple(params["linear"])
     return new
-  from jax._src import flattree  # jax >= 0.11: no public constructor for ft_in
+  # jax >= 0.11: ft_in has no public constructor (and jax 0.10 has no such module).
+  flattree: Any = importlib.import_module("jax._src.flattree")
 
   consts, carry, xs = _param(eqn, "ft_in").unpack()
   consts = flattree.pack((flattree.nones(k), consts))
   return dict(params, ft_in=flattree.pack((consts, carry, xs)))
-
 
 
 def _eval_jit(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
@@ -757,7 +758,6 @@ def _primal(
 
 def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # Rebuilt through the public constructor: the jvp rule is a thunk JAX traces lazily.
-  params = eqn.params
   closed = _param(eqn, "call_jaxpr")
   num_consts = _param(eqn, "num_consts")
   jvp_jaxpr_fun = _param(eqn, "jvp_jaxpr_fun")
@@ -788,7 +788,6 @@ def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
 
 def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # Rebuilt through the public constructor: fwd and bwd are traced lazily by JAX.
-  params = eqn.params
   closed = _param(eqn, "call_jaxpr")
   num_consts = _param(eqn, "num_consts")
   fwd_thunk = _param(eqn, "fwd_jaxpr_thunk")

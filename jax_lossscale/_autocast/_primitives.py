@@ -42,6 +42,7 @@ import jax.extend.core.primitives as _P
 
 __all__ = (
   "AS_WRITTEN",
+  "CHECKED_RELEASES",
   "FIRST_ORDER",
   "HIGHER_ORDER",
   "INDEPENDENT",
@@ -49,7 +50,6 @@ __all__ = (
   "KERNEL_MODULES",
   "KIND_DESCRIPTIONS",
   "LAYOUT",
-  "CHECKED_RELEASES",
   "NEWEST_TESTED",
   "OLDEST_TESTED",
   "RULED_KINDS",
