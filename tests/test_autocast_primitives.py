@@ -12,6 +12,7 @@ import types
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 import pytest
 
 from jax_lossscale._autocast import _interpreter
@@ -160,3 +161,14 @@ def test_scans_layout_is_read_in_each_spelling():
   assert _interpreter._scan_layout(eqn) == (1, 1)
   new = _interpreter._scan_with_leading_consts(eqn, dict(eqn.params), 2)
   assert _interpreter._scan_layout(_eqn("scan", new)) == (3, 1)
+  # The scan rebound with those params and a body taking two more leading consts (scales of
+  # the original const) computes what the original does with the const scaled by them.
+  body = jex.jaxpr_as_fun(eqn.params["jaxpr"])
+  args = (2.0, 1.0, jax.numpy.arange(3.0))  # w, the carry, xs, in the equation's order
+  wider = jax.make_jaxpr(lambda a, b, w, c, x: body(w * a * b, c, x))(
+    1.0, 1.0, 2.0, 1.0, jax.numpy.float32(0.0)
+  )
+  got = _interpreter._bind(eqn, [0.5, 3.0, *args], dict(new, jaxpr=wider))
+  want = _interpreter._bind(eqn, [3.0, *args[1:]])
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

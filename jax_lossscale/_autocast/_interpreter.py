@@ -496,6 +496,8 @@ def _scan_layout(eqn: Any) -> tuple[int, int]:
 
 def _scan_with_leading_consts(eqn: Any, params: dict[str, Any], k: int) -> dict[str, Any]:
   """``params`` of a ``scan`` whose body takes ``k`` more leading consts."""
+  if not k:
+    return params
   if "num_consts" in params or "ft_in" not in params:
     new = dict(params, num_consts=_param(eqn, "num_consts") + k)
     if "linear" in params:
