@@ -5,11 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-compat demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-plan mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
-	@echo "make test-compat - COMPAT=oldest|newest: the core tests (tests/compat/core.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
+	@echo "make test-compat - COMPAT=oldest|newest|jax011: the core tests (tests/compat/core.txt) and those of JAX's internals (tests/compat/internals.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
+	@echo "make test-newest - the same tests on the newest jax, flax, optax, equinox, chex, on a Python >= 3.12 (found or built: tools/find_python.sh), in .venv-newest"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU), writes $(OUT)/"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
@@ -39,8 +40,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The versions pyproject.toml claims, tested: a venv per version set (tests/compat/oldest.txt
-# pins the lower bounds, tests/compat/newest.txt lets pip pick), the package and its flax
-# extra installed against those pins, then the core subset listed in tests/compat/core.txt.
+# pins the lower bounds, tests/compat/newest.txt lets pip pick, tests/compat/jax011.txt takes
+# jax 0.11.x), the package and its flax extra installed against those pins, then the core
+# subset listed in tests/compat/core.txt and the tests of the code that touches JAX's
+# internals (tests/compat/internals.txt). A set whose first line is `# python>=3.12` is
+# installed on the Python tools/find_python.sh finds (or builds).
 # No torch or other test extras there: CI=1 keeps flax, equinox, chex and hypothesis
 # required (a missing one fails, it does not skip), JAX_LOSSSCALE_CI_OPTIONAL exempts the
 # ones this venv does not install. Not in .ci/run (its time limit); run it by hand.
@@ -51,19 +55,60 @@ COMPAT_PY     := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP  := $(COMPAT_VENV)/.installed
 COMPAT_TOOLS  := "chex>=0.1.87" "equinox>=0.13.1" "pytest>=8" "hypothesis>=6.100"
 COMPAT_CORE   := $(shell sed -e 's/\#.*//' tests/compat/core.txt)
+COMPAT_INTERNALS := $(shell sed -e 's/\#.*//' tests/compat/internals.txt)
+COMPAT_PYTHON  = $(if $(shell head -n 1 $(COMPAT_SET) 2>/dev/null | grep -x '\# python>=3.12'),$$(tools/find_python.sh),$(PYTHON))
 
 $(COMPAT_STAMP): pyproject.toml $(COMPAT_SET)
-	@test -f $(COMPAT_SET) || { echo "COMPAT=$(COMPAT): no $(COMPAT_SET) (oldest or newest)"; exit 1; }
+	@test -f $(COMPAT_SET) || { echo "COMPAT=$(COMPAT): no $(COMPAT_SET) (oldest, newest or jax011)"; exit 1; }
 	rm -rf $(COMPAT_VENV)
-	$(PYTHON) -m venv $(COMPAT_VENV)
+	py=$(COMPAT_PYTHON) && $$py -m venv $(COMPAT_VENV)
 	$(COMPAT_PY) -m pip install --quiet --upgrade pip
 	$(COMPAT_PY) -m pip install --quiet -r $(COMPAT_SET) -e ".[flax]" $(COMPAT_TOOLS)
 	$(COMPAT_PY) -m pip list --format=freeze | grep -iE '^(jax|jaxlib|numpy|optax|flax|equinox|chex)==' > $(COMPAT_VENV)/versions.txt
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	@echo "== COMPAT=$(COMPAT):" $$(cat $(COMPAT_VENV)/versions.txt)
-	CI=1 JAX_LOSSSCALE_CI_OPTIONAL=torch $(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_CORE)
+	@echo "== COMPAT=$(COMPAT):" $$($(COMPAT_PY) --version) $$(cat $(COMPAT_VENV)/versions.txt)
+	CI=1 JAX_LOSSSCALE_CI_OPTIONAL=torch $(COMPAT_PY) -m pytest -q -p no:cacheprovider $(COMPAT_CORE) $(COMPAT_INTERNALS)
+
+# The JAX that `pip install jax` gives today (jax 0.11+ needs Python >= 3.12), in .ci/run:
+# tools/find_python.sh finds a Python >= 3.12 (or builds CPython 3.13 from Debian trixie's
+# source package), .venv-newest gets the newest jax, jaxlib, numpy, optax, flax, equinox and
+# chex with pytest and hypothesis, then each of NEWEST_OPTIONAL that installs there. Run with
+# CI=1: the core subset (tests/compat/core.txt) and every test of the code that touches
+# JAX's internals (tests/compat/internals.txt: the autocast interpreter and its primitive
+# kinds, check_underflow, the guard, sharding and multi-device, the Flax, NNX and Equinox
+# integrations). Not the whole suite: it does not fit .ci/run's time on 2 cores (~15 minutes
+# here with the install). Exempt (JAX_LOSSSCALE_CI_OPTIONAL), and printed: torch (no CPU
+# wheel for this Python on the index; tests/test_autocast_torch.py is left out), the
+# public models' packages (jax_resnet, jraph, transformers: tests/test_public_models.py is
+# not in the subset), and each of NEWEST_OPTIONAL that pip cannot install there.
+NEWEST_VENV     := .venv-newest
+NEWEST_PY       := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP    := $(NEWEST_VENV)/.installed
+NEWEST_REQUIRED := jax jaxlib numpy optax flax equinox chex "pytest>=8" "hypothesis>=6.100"
+# pip name:import name, each installed on its own (one that fails is exempt, not fatal)
+NEWEST_OPTIONAL := orbax-checkpoint:orbax scikit-learn:sklearn matplotlib:matplotlib tqdm:tqdm \
+                   setuptools:setuptools pyyaml:yaml jmp:jmp
+NEWEST_EXEMPT   := torch jax_resnet jraph transformers
+
+$(NEWEST_STAMP): pyproject.toml tools/find_python.sh
+	rm -rf $(NEWEST_VENV)
+	py=$$(tools/find_python.sh) && $$py -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet --upgrade -e . $(NEWEST_REQUIRED)
+	@echo "$(NEWEST_EXEMPT)" > $(NEWEST_VENV)/exempt.txt
+	@for pair in $(NEWEST_OPTIONAL); do \
+	  pkg=$${pair%%:*}; mod=$${pair##*:}; \
+	  $(NEWEST_PY) -m pip install --quiet "$$pkg" || { echo "== $$pkg does not install here: exempt"; echo "$$mod" >> $(NEWEST_VENV)/exempt.txt; }; \
+	done
+	$(NEWEST_PY) -m pip list --format=freeze | grep -iE '^(jax|jaxlib|numpy|optax|flax|equinox|chex)==' > $(NEWEST_VENV)/versions.txt
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	@echo "== newest:" $$($(NEWEST_PY) --version) $$(cat $(NEWEST_VENV)/versions.txt)
+	@echo "== exempt (JAX_LOSSSCALE_CI_OPTIONAL):" $$(cat $(NEWEST_VENV)/exempt.txt)
+	CI=1 JAX_LOSSSCALE_CI_OPTIONAL="$$(cat $(NEWEST_VENV)/exempt.txt)" $(NEWEST_PY) -m pytest -q -p no:cacheprovider $(COMPAT_CORE) $(COMPAT_INTERNALS)
 
 demo: $(STAMP)
 	$(PY) examples/demo_fp16.py --out $(OUT)
@@ -199,4 +244,4 @@ endef
 export DIST_CHECK
 
 clean:
-	rm -rf $(VENV) .venv-compat-* .pytest_cache $(OUT) site dist build
+	rm -rf $(VENV) .venv-compat-* $(NEWEST_VENV) .pytest_cache $(OUT) site dist build

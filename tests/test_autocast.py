@@ -119,6 +119,23 @@ def test_each_primitive_runs_in_the_dtype_of_its_list(row, dtype):
     assert set(operands) == {want}, (row.primitive, operands)
 
 
+@pytest.mark.parametrize("fun", [jnp.log2, jnp.log10], ids=["log2", "log10"])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_log2_and_log10_run_in_float32_in_every_jax_version(fun, dtype):
+  # torch's fp32 list has log2 and log10. jnp.log2 is log then a div up to jax 0.10 and
+  # the primitive log2 from jax 0.11 (jax_lossscale._autocast._policy.VERSIONED_ROWS).
+  x = X.astype(dtype)
+  names = {e.primitive.name for e in jax.make_jaxpr(fun)(x).jaxpr.eqns}
+  name = "log2" if "log2" in names else "log"
+  seen = _operand_dtypes(autocast(fun, dtype=dtype), x, name=name)
+  assert seen and all(set(ops) == {F32} for ops in seen), (name, seen)
+  np.testing.assert_allclose(
+    np.asarray(autocast(fun, dtype=dtype)(x), np.float32),
+    np.asarray(fun(x.astype(jnp.float32))),
+    rtol=2e-3,
+  )
+
+
 @pytest.mark.parametrize("name", ["tanh", "logistic", "sqrt", "max", "exp2", "erf"])
 def test_a_primitive_in_no_list_runs_in_its_operands_dtype(name):
   funs = {

@@ -72,11 +72,27 @@ def test_a_weakly_typed_scalar_does_not_promote_a_zero_dim_float16_tensor():
 def test_a_handler_missing_a_parameter_raises_naming_it(monkeypatch):
   # A jax version whose higher-order primitive lacks a parameter the handler reads.
   def handler(interp, eqn, invals):
-    return eqn.params["no_such_param"]
+    return _interpreter._param(eqn, "no_such_param", "its_old_name")
 
   monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
-  with pytest.raises(AutocastError, match="its parameter 'no_such_param' is missing"):
+  with pytest.raises(
+    AutocastError,
+    match=rf"`cond`.*its parameter 'no_such_param' or 'its_old_name' is missing in jax "
+    rf"{jax.__version__}, whose parameters for it are \['branches'\]",
+  ):
+    autocast(f)(True, jnp.ones(3))
+
+
+def test_a_key_error_inside_a_handler_is_not_taken_for_a_missing_parameter(monkeypatch):
+  # Only the parameter reads turn a missing key into UnsupportedPrimitiveError: a KeyError
+  # from anything else a handler does (a bug) propagates as itself.
+  def handler(interp, eqn, invals):
+    return {}["not_a_parameter"]
+
+  monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
+  f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
+  with pytest.raises(KeyError, match="not_a_parameter"):
     autocast(f)(True, jnp.ones(3))
 
 
@@ -298,7 +314,9 @@ def test_a_nested_jit_keeps_inline_keep_unused_and_a_partial_in_sharding():
   for a, b in zip(ours, theirs, strict=True):
     assert a.params["inline"] == b.params["inline"]
     assert a.params["keep_unused"] == b.params["keep_unused"]
-  assert [e.params["inline"] for e in ours] == [True, False]
+  # jax <= 0.10 spells `inline` as a bool; jax >= 0.11 as an enum (True is JAX_LATE).
+  inline_params = [str(getattr(e.params["inline"], "value", e.params["inline"])) for e in ours]
+  assert inline_params in (["True", "False"], ["jax_late", "auto"]), inline_params
   assert [e.params["keep_unused"] for e in ours] == [False, True]
   assert ours[0].params["in_shardings"][0].spec == P("d")
   assert ours[0].params["out_shardings"][0].spec == P("d")
@@ -362,7 +380,7 @@ def test_shard_map_keeps_its_manual_axes_and_check_vma():
     (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), "shard_map")
     (ref,) = _eqns(jax.make_jaxpr(f)(x, w), "shard_map")
     out = autocast(f)(x, w)
-  manual = "newly_manual_axes"
+  manual = "newly_manual_axes" if "newly_manual_axes" in ref.params else "manual_axes"  # jax 0.9
   assert eqn.params[manual] == ref.params[manual] == frozenset({"a"})
   assert eqn.params["check_vma"] is False
   assert out.dtype == F32 and out.shape == (1, 4)  # a float16 matmul, a float32 sum

@@ -8,14 +8,17 @@ kernel-language module, whose primitives exist only inside a ``pallas_call``).
 import importlib
 import pkgutil
 import sys
+import types
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 import pytest
 
 from jax_lossscale._autocast import _interpreter
 from jax_lossscale._autocast import _policy
 from jax_lossscale._autocast import _primitives as prims
+from jax_lossscale._autocast._errors import UnsupportedPrimitiveError
 
 
 def _jax_primitives():
@@ -49,7 +52,34 @@ PRIMITIVES = _jax_primitives()
 def test_every_name_in_the_table_is_a_primitive_of_this_jax():
   names = {p.name for p, _ in PRIMITIVES}
   missing = sorted(n for n in prims.table_names() if n not in names)
-  assert not missing, f"names in the kind table that this JAX does not define: {missing}"
+  assert not missing, (
+    f"names in the kind table that jax {jax.__version__} does not define (if a JAX version "
+    f"removed them, give them their last version in _primitives._VERSIONED): {missing}"
+  )
+
+
+def test_each_version_specific_name_is_defined_exactly_in_its_releases():
+  # The ranges of _VERSIONED are facts of each JAX release, checked on each one installed:
+  # a name that this JAX defines outside its range (or not inside it) means a wrong range.
+  names = {p.name for p, _ in PRIMITIVES}
+  release = prims.jax_release()
+  assert prims.OLDEST_TESTED <= release, release
+  wrong = sorted(
+    f"{name} (listed from {first} until {until or 'now'})"
+    for name, (first, until) in prims.versioned_names().items()
+    if (name in names) != prims.defined_in(name, release)
+  )
+  assert not wrong, f"version ranges that jax {jax.__version__} contradicts: {wrong}"
+
+
+def test_the_table_of_another_release_differs_only_in_the_versioned_names():
+  # jax 0.11 replaced closed_call by eval_jaxpr; both releases' tables have a call primitive.
+  old, new = prims.table_names((0, 10, 2)), prims.table_names((0, 12, 0))
+  assert "closed_call" in old and "closed_call" not in new
+  assert old["eval_jaxpr"] == new["eval_jaxpr"] == prims.HIGHER_ORDER
+  assert new["log2"] == prims.FIRST_ORDER and "log2" not in old
+  assert set(old) ^ set(new) <= set(prims.versioned_names())
+  assert "pgather" in prims.table_names((0, 9, 0)) and "pgather" not in old
 
 
 def test_every_primitive_of_this_jax_has_a_kind():
@@ -67,9 +97,19 @@ def test_every_policy_row_is_a_first_order_primitive():
 
 
 def test_every_higher_order_kind_has_a_handler():
-  for name, kind in prims.table_names().items():
-    if kind == prims.HIGHER_ORDER:
-      assert name in _interpreter.HANDLERS, name
+  for release in prims.CHECKED_RELEASES:
+    for name, kind in prims.table_names(release).items():
+      if kind == prims.HIGHER_ORDER:
+        assert (name in _interpreter.HANDLERS) != (name in prims.UNHANDLED), (release, name)
+
+
+def test_an_unhandled_higher_order_primitive_raises_naming_it():
+  prim = prims.by_name(prims.UNHANDLED[0])  # jax 0.9's xla_pmap_p, a stand-in after
+  assert prims.kind(prim) == prims.HIGHER_ORDER
+  eqn = types.SimpleNamespace(primitive=prim, params={}, source_info=None)
+  interp = _interpreter.Interpreter(jax.numpy.float16, _policy.check_policy(None))
+  with pytest.raises(UnsupportedPrimitiveError, match=rf"`{prims.UNHANDLED[0]}`"):
+    interp.eval_eqn(eqn, [])
 
 
 def test_the_table_is_keyed_by_objects_where_jax_exports_them():
@@ -92,3 +132,43 @@ def test_the_table_is_keyed_by_objects_where_jax_exports_them():
 def test_a_wrong_policy_key_or_rule_is_refused_naming_the_nearest(policy, match):
   with pytest.raises(ValueError, match=match):
     _policy.check_policy(policy)
+
+
+def _eqn(name, params):
+  return types.SimpleNamespace(primitive=jex.Primitive(name), params=params, source_info=None)
+
+
+def test_a_parameter_missing_in_this_jax_raises_naming_the_version_and_the_parameter():
+  eqn = _eqn("while", {"body_jaxpr": None})
+  with pytest.raises(UnsupportedPrimitiveError) as raised:
+    _interpreter._param(eqn, "cond_jaxpr")
+  message = str(raised.value)
+  assert f"'cond_jaxpr' is missing in jax {jax.__version__}" in message, message
+  assert "['body_jaxpr']" in message and "`while`" in message, message
+  # a renamed parameter is read under its other spelling
+  assert _interpreter._param(_eqn("eval_jaxpr", {"jaxpr": 1}), "call_jaxpr", "jaxpr") == 1
+
+
+def test_scans_layout_is_read_in_each_spelling():
+  # jax 0.9-0.10: num_consts and num_carry; jax >= 0.11: ft_in, a flat tree (consts, carry, xs).
+  assert _interpreter._scan_layout(_eqn("scan", {"num_consts": 2, "num_carry": 1})) == (2, 1)
+  with pytest.raises(UnsupportedPrimitiveError, match=r"'num_consts' is missing in jax"):
+    _interpreter._scan_layout(_eqn("scan", {"length": 3}))
+  scan = jax.make_jaxpr(lambda c, xs, w: jax.lax.scan(lambda c, x: (c * w + x, c), c, xs))(
+    1.0, jax.numpy.ones(3), 2.0
+  )
+  (eqn,) = [e for e in scan.jaxpr.eqns if e.primitive.name == "scan"]
+  assert _interpreter._scan_layout(eqn) == (1, 1)
+  new = _interpreter._scan_with_leading_consts(eqn, dict(eqn.params), 2)
+  assert _interpreter._scan_layout(_eqn("scan", new)) == (3, 1)
+  # The scan rebound with those params and a body taking two more leading consts (scales of
+  # the original const) computes what the original does with the const scaled by them.
+  body = jex.jaxpr_as_fun(eqn.params["jaxpr"])
+  args = (2.0, 1.0, jax.numpy.arange(3.0))  # w, the carry, xs, in the equation's order
+  wider = jax.make_jaxpr(lambda a, b, w, c, x: body(w * a * b, c, x))(
+    1.0, 1.0, 2.0, 1.0, jax.numpy.float32(0.0)
+  )
+  got = _interpreter._bind(eqn, [0.5, 3.0, *args], dict(new, jaxpr=wider))
+  want = _interpreter._bind(eqn, [3.0, *args[1:]])
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -42,7 +42,7 @@ def _run_lines(job: dict) -> list[str]:
 
 
 def test_the_commands_of_ci_run_are_read():
-  assert _ci_run_commands() == ["make lint", "make docs", "make test"]
+  assert _ci_run_commands() == ["make lint", "make docs", "make test", "make test-newest"]
 
 
 def test_a_push_and_a_pull_request_trigger_it():

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 import contextlib
 import functools
+import importlib
 from typing import Any
 from typing import NamedTuple
 
@@ -326,10 +327,6 @@ class Interpreter:
       self._untapped += untapped
       try:
         return handler(self, eqn, ins)
-      except KeyError as e:  # a jax version whose params this handler does not know
-        raise unsupported(
-          prim.name, eqn, f" (its parameter {e} is missing in this jax version)"
-        ) from e
       finally:
         self._untapped -= untapped
     if k in (prims.AS_WRITTEN, prims.KERNEL):
@@ -544,6 +541,60 @@ class Interpreter:
 
 
 # -- higher-order primitives --------------------------------------------------------
+#
+# Each handler reads its equation's parameters through `_param` (or `_scan_layout`), which
+# knows each parameter's spellings across the JAX versions autocast supports and raises
+# UnsupportedPrimitiveError naming the JAX version and the parameter for any other.
+
+
+def _param(eqn: Any, name: str, *renamed: str) -> Any:
+  """``eqn.params[name]``, or under one of its ``renamed`` spellings (other JAX versions).
+
+  Raises:
+    UnsupportedPrimitiveError: the equation has none of them (a JAX version whose
+      parameters autocast does not know); the message names the version and the parameter.
+  """
+  for key in (name, *renamed):
+    try:
+      return eqn.params[key]
+    except KeyError:
+      continue
+  spelled = " or ".join(repr(k) for k in (name, *renamed))
+  raise unsupported(
+    eqn.primitive.name,
+    eqn,
+    f" (its parameter {spelled} is missing in jax {jax.__version__}, whose parameters for it"
+    f" are {sorted(eqn.params)})",
+  )
+
+
+def _scan_layout(eqn: Any) -> tuple[int, int]:
+  """The number of consts and of carries of a ``scan`` equation.
+
+  jax 0.9-0.10 give them as ``num_consts`` and ``num_carry``; from jax 0.11 the
+  operands are described by ``ft_in``, a flat tree of three parts (consts, carry, xs).
+  """
+  if "num_consts" in eqn.params or "ft_in" not in eqn.params:
+    return _param(eqn, "num_consts"), _param(eqn, "num_carry")
+  consts, carry, _ = _param(eqn, "ft_in").unpack()
+  return len(consts), len(carry)
+
+
+def _scan_with_leading_consts(eqn: Any, params: dict[str, Any], k: int) -> dict[str, Any]:
+  """``params`` of a ``scan`` whose body takes ``k`` more leading consts."""
+  if not k:
+    return params
+  if "num_consts" in params or "ft_in" not in params:
+    new = dict(params, num_consts=_param(eqn, "num_consts") + k)
+    if "linear" in params:
+      new["linear"] = (False,) * k + tuple(params["linear"])
+    return new
+  # jax >= 0.11: ft_in has no public constructor (and jax 0.10 has no such module).
+  flattree: Any = importlib.import_module("jax._src.flattree")
+
+  consts, carry, xs = _param(eqn, "ft_in").unpack()
+  consts = flattree.pack((flattree.nones(k), consts))
+  return dict(params, ft_in=flattree.pack((consts, carry, xs)))
 
 
 def _eval_jit(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
@@ -556,14 +607,16 @@ def _eval_jit(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   if FLOAT32_MARK in name or AUTOCAST_MARK in name:
     # A region left as written: its inputs go back to the declared dtypes.
     return interp.as_written(eqn, ins)
+  jaxpr = _param(eqn, "jaxpr")
   closed, facts = interp.trace(
-    lambda vs: interp.eval_closed(params["jaxpr"], vs), [v.x for v in ins], [v.facts for v in ins]
+    lambda vs: interp.eval_closed(jaxpr, vs), [v.x for v in ins], [v.facts for v in ins]
   )
   closed, consts = _hoist(closed)
   new = dict(params, jaxpr=closed)
   if consts:
     k = len(consts)
-    new["in_shardings"] = (*_unspecified(params["in_shardings"], k), *params["in_shardings"])
+    in_shardings = _param(eqn, "in_shardings")
+    new["in_shardings"] = (*_unspecified(in_shardings, k), *in_shardings)
     if "in_layouts" in params:
       new["in_layouts"] = (None,) * k + tuple(params["in_layouts"])
     if "donated_invars" in params:
@@ -582,17 +635,20 @@ def _unspecified(shardings: Sequence[Any], k: int) -> tuple[Any, ...]:
 
 
 def _eval_closed_call(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
-  return interp.eval_closed(eqn.params["call_jaxpr"], ins)
+  # closed_call (jax <= 0.10), and eval_jaxpr, which replaces it from jax 0.11 (jax 0.10's
+  # eval_jaxpr, which spells it `jaxpr`, is staged out as a closed_call).
+  return interp.eval_closed(_param(eqn, "call_jaxpr", "jaxpr"), ins)
 
 
 def _eval_call(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
-  return interp.eval_jaxpr(eqn.params["call_jaxpr"], (), ins)
+  return interp.eval_jaxpr(_param(eqn, "call_jaxpr"), (), ins)
 
 
 def _eval_remat(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
+  jaxpr = _param(eqn, "jaxpr")
   closed, facts = interp.trace(
-    lambda vs: interp.eval_jaxpr(params["jaxpr"], (), vs),
+    lambda vs: interp.eval_jaxpr(jaxpr, (), vs),
     [v.x for v in ins],
     [v.facts for v in ins],
   )
@@ -607,12 +663,12 @@ def _carry_facts(n: int) -> list[Facts]:
 
 def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
-  closed = params["jaxpr"]
-  nc, ncarry = params["num_consts"], params["num_carry"]
+  closed = _param(eqn, "jaxpr")
+  nc, ncarry = _scan_layout(eqn)
   consts, init, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
   carry_avals = closed.in_avals[nc : nc + ncarry]
   init_x = cast_to_declared([v.x for v in init], carry_avals)
-  length = params["length"]
+  length = _param(eqn, "length")
   x_avals = [jex.mapped_aval(length, 0, _aval(v.x)) for v in xs]
   x_facts = [
     v.facts._replace(input_rank=None if v.facts.input_rank is None else v.facts.input_rank - 1)
@@ -631,9 +687,7 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   )
   new_closed, hoisted = _hoist(new_closed)
   k = len(hoisted)
-  new = dict(params, jaxpr=new_closed, num_consts=nc + k)
-  if "linear" in params:
-    new["linear"] = (False,) * k + tuple(params["linear"])
+  new = dict(_scan_with_leading_consts(eqn, dict(params), k), jaxpr=new_closed)
   outs = _bind(eqn, [*hoisted, *(v.x for v in consts), *init_x, *(v.x for v in xs)], new)
   return [
     Val(o, NO_FACTS if i < ncarry else f) for i, (o, f) in enumerate(zip(outs, facts, strict=True))
@@ -642,8 +696,8 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
 
 def _eval_while(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
-  cond_closed, body_closed = params["cond_jaxpr"], params["body_jaxpr"]
-  cn, bn = params["cond_nconsts"], params["body_nconsts"]
+  cond_closed, body_closed = _param(eqn, "cond_jaxpr"), _param(eqn, "body_jaxpr")
+  cn, bn = _param(eqn, "cond_nconsts"), _param(eqn, "body_nconsts")
   cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
   carry_avals = body_closed.in_avals[bn:]
   init_x = cast_to_declared([v.x for v in init], carry_avals)
@@ -678,7 +732,7 @@ def _eval_while(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
 
 def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
-  branches = params["branches"]
+  branches = _param(eqn, "branches")
   index, ops = ins[0], ins[1:]
   op_x, op_facts = [v.x for v in ops], [v.facts for v in ops]
 
@@ -735,7 +789,7 @@ def _eval_shard_map(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # The body is traced through the public constructor (it sets up the manual axes), and
   # the sub-jaxpr it traced is swapped into this equation's own parameters.
   params = eqn.params
-  jaxpr = params["jaxpr"]
+  jaxpr = _param(eqn, "jaxpr")
   captured: list[list[Facts]] = []
   facts_in = [v.facts for v in ins]
 
@@ -747,9 +801,9 @@ def _eval_shard_map(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   axis_names = params.get("newly_manual_axes", params.get("manual_axes", frozenset()))
   fn = jax.shard_map(
     body,
-    mesh=params["mesh"],
-    in_specs=tuple(params["in_specs"]),
-    out_specs=tuple(params["out_specs"]),
+    mesh=_param(eqn, "mesh"),
+    in_specs=tuple(_param(eqn, "in_specs")),
+    out_specs=tuple(_param(eqn, "out_specs")),
     axis_names=frozenset(axis_names),
     check_vma=params.get("check_vma", params.get("check_rep", True)),
   )
@@ -792,10 +846,9 @@ def _primal(
 
 def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # Rebuilt through the public constructor: the jvp rule is a thunk JAX traces lazily.
-  params = eqn.params
-  closed = params["call_jaxpr"]
-  num_consts = params["num_consts"]
-  jvp_jaxpr_fun = params["jvp_jaxpr_fun"]
+  closed = _param(eqn, "call_jaxpr")
+  num_consts = _param(eqn, "num_consts")
+  jvp_jaxpr_fun = _param(eqn, "jvp_jaxpr_fun")
   consts, args = ins[:num_consts], ins[num_consts:]
   primal, captured = _primal(interp, closed, consts, args)
   fn = jax.custom_jvp(primal)
@@ -823,12 +876,11 @@ def _eval_custom_jvp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
 
 def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # Rebuilt through the public constructor: fwd and bwd are traced lazily by JAX.
-  params = eqn.params
-  closed = params["call_jaxpr"]
-  num_consts = params["num_consts"]
-  fwd_thunk = params["fwd_jaxpr_thunk"]
-  bwd = params["bwd"]
-  out_trees = params["out_trees"]
+  closed = _param(eqn, "call_jaxpr")
+  num_consts = _param(eqn, "num_consts")
+  fwd_thunk = _param(eqn, "fwd_jaxpr_thunk")
+  bwd = _param(eqn, "bwd")
+  out_trees = _param(eqn, "out_trees")
   consts, args = ins[:num_consts], ins[num_consts:]
   declared_in = closed.in_avals[num_consts:]
   declared_out = closed.out_avals
@@ -864,6 +916,15 @@ def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
 
     def flat_bwd(*a: Any) -> list[Any]:
       out = bwd.call_wrapped(*a)
+      if _BWD_RETURNS_LOGS:  # jax >= 0.11: (cotangents, backward-pass logs)
+        out, logs = out
+        if logs is not None:
+          raise unsupported(
+            "custom_vjp_call",
+            eqn,
+            f" (its backward rule returns logs, `custom_vjp.defvjp_with_logs` of jax"
+            f" {jax.__version__}, which autocast does not carry)",
+          )
       flat = []
       for o, av in zip(out, declared_in, strict=True):
         is_zero = not hasattr(o, "shape") or type(o).__name__ in ("Zero", "SymbolicZero")
@@ -887,6 +948,11 @@ def _eval_custom_vjp(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]
   return [Val(o, f) for o, f in zip(outs, captured[0], strict=True)]
 
 
+#: Whether a custom_vjp's ``bwd`` parameter returns ``(cotangents, logs)`` (jax >= 0.11,
+#: which has ``custom_vjp.defvjp_with_logs``) rather than the cotangents alone.
+_BWD_RETURNS_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
 def _abstract(avals: Sequence[Any]) -> list[Any]:
   out = []
   for a in avals:
@@ -903,6 +969,7 @@ def _abstract(avals: Sequence[Any]) -> list[Any]:
 HANDLERS: dict[str, Callable[[Interpreter, Any, list[Val]], list[Val]]] = {
   "jit": _eval_jit,
   "closed_call": _eval_closed_call,
+  "eval_jaxpr": _eval_closed_call,
   "call": _eval_call,
   "remat2": _eval_remat,
   "checkpoint": _eval_remat,

@@ -104,7 +104,8 @@ POLICY_TABLE: tuple[PolicyRow, ...] = (
     "log",
     FLOAT32,
     "fp32: log, log2, log10",
-    "jnp.log2 and jnp.log10 are log followed by a div.",
+    "jnp.log10 is log followed by a mul; jnp.log2 is too up to jax 0.10, and the"
+    " primitive log2 from jax 0.11, which takes this row's rule.",
   ),
   PolicyRow("log1p", FLOAT32, "fp32: log1p"),
   PolicyRow("pow", FLOAT32, "fp32: pow (Tensor_Tensor, Scalar)"),
@@ -156,8 +157,22 @@ POLICY_TABLE: tuple[PolicyRow, ...] = (
 
 #: The default policy as a read-only mapping: primitive -> rule, keyed by the
 #: ``Primitive`` objects of the installed JAX.
+#: Primitives that only some JAX versions define and that take the rule of a row where
+#: they exist: name -> the row's primitive (see that row's note).
+VERSIONED_ROWS = {"log2": "log"}
+
+
+def _default_policy() -> dict[jex.Primitive, str]:
+  policy = {prims.resolve(row.primitive): row.rule for row in POLICY_TABLE}
+  rules = {row.primitive: row.rule for row in POLICY_TABLE}
+  for name, row in VERSIONED_ROWS.items():
+    if prims.defined_in(name, prims.jax_release()):
+      policy[prims.resolve(name)] = rules[row]
+  return policy
+
+
 DEFAULT_POLICY: types.MappingProxyType[jex.Primitive, str] = types.MappingProxyType(
-  {prims.resolve(row.primitive): row.rule for row in POLICY_TABLE}
+  _default_policy()
 )
 
 

@@ -5,7 +5,10 @@ One table, keyed by the ``Primitive`` objects that JAX exports (``jax.lax.*_p`` 
 object for (``shard_map``, ``pallas_call``, the callbacks...). Every primitive of the
 installed JAX has a kind; ``tests/test_autocast_primitives.py`` fails on a name here
 that is no primitive of the installed JAX, and on a primitive of JAX that has no kind
-(a new primitive after an upgrade), so the table cannot drift silently.
+(a new primitive after an upgrade), so the table cannot drift silently. The primitives
+that only some of the tested JAX versions (0.9 to 0.12) define are listed apart, each
+with the versions that define it (``_VERSIONED``), and the drift test checks those
+ranges too.
 
 The kinds:
 
@@ -22,9 +25,11 @@ The kinds:
   bitcasts, cuDNN's fused attention, linear solves): its operands go back to the dtypes
   the function was traced with and it runs exactly as written.
 * ``HIGHER_ORDER``: holds sub-jaxprs that autocast interprets (jit, remat, scan, while,
-  cond, shard_map, custom_jvp, custom_vjp, closed_call): rebound as the same primitive
-  with every parameter, only the sub-jaxprs swapped (custom_jvp and custom_vjp are
-  rebuilt through their public constructors, since their rules are traced lazily).
+  cond, shard_map, custom_jvp, custom_vjp): rebound as the same primitive with every
+  parameter, only the sub-jaxprs swapped (custom_jvp and custom_vjp are rebuilt through
+  their public constructors, since their rules are traced lazily); the call primitives
+  (closed_call, and eval_jaxpr from jax 0.11) are inlined. The ones in ``UNHANDLED``
+  raise ``UnsupportedPrimitiveError``.
 * ``KERNEL``: exists only inside a Pallas or Mosaic kernel body, which autocast never
   enters (the ``pallas_call`` around it runs as written).
 """
@@ -37,6 +42,7 @@ import jax.extend.core.primitives as _P
 
 __all__ = (
   "AS_WRITTEN",
+  "CHECKED_RELEASES",
   "FIRST_ORDER",
   "HIGHER_ORDER",
   "INDEPENDENT",
@@ -44,13 +50,19 @@ __all__ = (
   "KERNEL_MODULES",
   "KIND_DESCRIPTIONS",
   "LAYOUT",
+  "NEWEST_TESTED",
+  "OLDEST_TESTED",
   "RULED_KINDS",
   "SCATTER",
+  "UNHANDLED",
   "NamedPrimitive",
   "by_name",
+  "defined_in",
+  "jax_release",
   "kind",
   "resolve",
   "table_names",
+  "versioned_names",
 )
 
 FIRST_ORDER = "first_order"
@@ -83,6 +95,8 @@ KERNEL_MODULES = (
   "jax._src.pallas.primitives",
   "jax._src.pallas.einshape",
   "jax._src.pallas.fuser.fusible_dtype",
+  # jax 0.12's thunky: a program for XLA:GPU's thunk executor, written in its own primitives
+  "jax._src.thunky",
 )
 
 _KINDS: dict[str, tuple[str, ...]] = {
@@ -139,7 +153,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "max",
     "min",
     "mul",
-    "mulhi",
     "ne",
     "neg",
     "nextafter",
@@ -201,7 +214,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "householder_product",
     "lu",
     "lu_pivots_to_permutation",
-    "ormqr",
     "qr",
     "schur",
     "svd",
@@ -233,8 +245,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "layout_constraint",
     "reshard",
     "tile",
-    "stack",
-    "unstack",
   ),
   SCATTER: ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"),
   INDEPENDENT: (
@@ -254,30 +264,11 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "preduced",
     "unreduced_psum",
     "unreduced_reduce_scatter",
-    "reduced_vary_cast_p",
-    "vary_unreduced_cast_p",
     "psend",
     "precv",
-    "all_gather_start",
-    "all_gather_done",
-    "all_gather_reduced_start",
-    "all_to_all_start",
-    "all_to_all_done",
-    "pbroadcast_start",
-    "pbroadcast_done",
-    "ppermute_start",
-    "ppermute_done",
-    "psum_start",
-    "psum_done",
-    "psum_invariant_start",
-    "reduce_scatter_start",
-    "reduce_scatter_done",
-    "unreduced_psum_start",
-    "unreduced_reduce_scatter_start",
     "optimization_barrier",
     "device_put",
     "sort",
-    "shard_alike",
     "host_local_array_to_global_array",
     "global_array_to_host_local_array",
   ),
@@ -318,9 +309,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "xla_metadata_call",
     # opaque kernels and custom calls
     "pallas_call",
-    "core_map",
-    "mpmd_map",
-    "fusible",
     "custom_fusion",
     "ffi_call",
     "tpu_custom_call",
@@ -337,7 +325,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "dot_product_attention_fp8_bwd_wrapper",
     "scaled_matmul",
     "scaled_matmul_wrapper",
-    "scaled_dot",
     "call_exported",
     # host callbacks and debugging
     "pure_callback",
@@ -382,9 +369,6 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "random_clone",
     "random_gamma",
     "threefry2x32",
-    "threefry4x32",
-    "philox2x32",
-    "philox4x32",
     "empty",
     "empty2",
     "to_edtype",
@@ -395,14 +379,11 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "xla_metadata_value",
     "dce_sink",
     "tie",
-    "stage",
     # mutable references and boxes (their dtype is the reference's)
     "get",
     "swap",
     "addupdate",
     "new_ref",
-    "empty_ref",
-    "free_ref",
     "freeze",
     "accum_grad_in_ref",
     "run_state",
@@ -410,22 +391,14 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "unpin",
     "create_linear",
     "broadcast_to",
-    "box_get",
-    "box_set",
-    "new_box",
-    "log_extend",
-    "log_read",
-    "new_log",
     "call_hi_primitive",
     "call_hi_primitive_linearized",
     "with_memory_space_constraint",
     "remove_memory_space",
-    "eval_jaxpr",
   ),
   HIGHER_ORDER: (
     "jit",
-    "closed_call",
-    "call",
+    "eval_jaxpr",
     "remat2",
     "scan",
     "while",
@@ -435,6 +408,127 @@ _KINDS: dict[str, tuple[str, ...]] = {
     "custom_vjp_call",
   ),
 }
+
+
+#: The JAX releases whose primitives the table was checked against (every primitive each one
+#: defines, from jax 0.9.0, the oldest supported, to the newest): tests/test_autocast_primitives.py
+#: checks the installed one; docs/getting-started.md has the runs.
+CHECKED_RELEASES = ((0, 9, 0), (0, 9, 1), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0))
+OLDEST_TESTED = CHECKED_RELEASES[0]
+NEWEST_TESTED = CHECKED_RELEASES[-1]
+
+_V090, _V091 = (0, 9, 0), (0, 9, 1)
+_V10, _V11, _V12 = (0, 10, 0), (0, 11, 0), (0, 12, 0)
+
+#: The primitives only some JAX releases define: name -> (kind, the first release that
+#: defines it, the first that no longer does, ``None`` if the newest still does). The
+#: names above are defined by every release from jax 0.9.0 on. The drift test checks both
+#: ways: the installed JAX defines a name exactly when its range holds the installed release.
+_VERSIONED: dict[str, tuple[str, tuple[int, int, int], tuple[int, int, int] | None]] = {
+  # jax 0.9 only (pgather in 0.9.0 only; ag_start and ag_done from 0.9.1)
+  "pgather": (INDEPENDENT, _V090, _V091),
+  "ag_start": (INDEPENDENT, _V091, _V10),
+  "ag_done": (INDEPENDENT, _V091, _V10),
+  "full_to_shard": (INDEPENDENT, _V090, _V10),
+  "shard_to_full": (INDEPENDENT, _V090, _V10),
+  "sparse_dense_matmul": (AS_WRITTEN, _V090, _V10),
+  "sparse_pack_nm": (AS_WRITTEN, _V090, _V10),
+  # jax.experimental.custom_dce and custom_transpose (their rules are opaque to autocast)
+  "custom_dce_call": (AS_WRITTEN, _V090, _V10),
+  "dce_sential": (AS_WRITTEN, _V090, _V10),
+  "custom_transpose_call": (AS_WRITTEN, _V090, _V10),
+  # jax.pmap's own primitive: autocast has no rule for it and raises
+  # UnsupportedPrimitiveError (see UNHANDLED); from jax 0.10 pmap is a shard_map.
+  "xla_pmap": (HIGHER_ORDER, _V090, _V10),
+  # jax 0.9 and 0.10 (the call primitives became eval_jaxpr in jax 0.11)
+  "call": (HIGHER_ORDER, _V090, _V11),
+  "closed_call": (HIGHER_ORDER, _V090, _V11),
+  "shard_alike": (INDEPENDENT, _V090, _V11),
+  "core_map": (AS_WRITTEN, _V090, _V11),
+  "fusible": (AS_WRITTEN, _V090, _V11),
+  "box_get": (AS_WRITTEN, _V090, _V11),
+  "box_set": (AS_WRITTEN, _V090, _V11),
+  "new_box": (AS_WRITTEN, _V090, _V11),
+  # jax 0.9 to 0.11 (renamed without the `_p` in jax 0.12)
+  "reduced_vary_cast_p": (INDEPENDENT, _V090, _V12),
+  "vary_unreduced_cast_p": (INDEPENDENT, _V090, _V12),
+  # from jax 0.9.1
+  "scaled_dot": (AS_WRITTEN, _V091, None),
+  "mpmd_map": (AS_WRITTEN, _V091, None),
+  "empty_ref": (AS_WRITTEN, _V091, None),
+  "free_ref": (AS_WRITTEN, _V091, None),
+  # jax 0.10 only
+  "pbroadcast_start": (INDEPENDENT, _V10, _V11),
+  "pbroadcast_done": (INDEPENDENT, _V10, _V11),
+  "psum_start": (INDEPENDENT, _V10, _V11),
+  "unreduced_psum_start": (INDEPENDENT, _V10, _V11),
+  "unreduced_reduce_scatter_start": (INDEPENDENT, _V10, _V11),
+  "log_extend": (AS_WRITTEN, _V10, _V11),
+  "log_read": (AS_WRITTEN, _V10, _V11),
+  "new_log": (AS_WRITTEN, _V10, _V11),
+  # from jax 0.10
+  "mulhi": (FIRST_ORDER, _V10, None),
+  "ormqr": (FIRST_ORDER, _V10, None),
+  "stack": (LAYOUT, _V10, None),
+  "unstack": (LAYOUT, _V10, None),
+  "all_gather_start": (INDEPENDENT, _V10, None),
+  "all_gather_done": (INDEPENDENT, _V10, None),
+  "all_gather_reduced_start": (INDEPENDENT, _V10, None),
+  "all_to_all_start": (INDEPENDENT, _V10, None),
+  "all_to_all_done": (INDEPENDENT, _V10, None),
+  "ppermute_start": (INDEPENDENT, _V10, None),
+  "ppermute_done": (INDEPENDENT, _V10, None),
+  "psum_done": (INDEPENDENT, _V10, None),
+  "psum_invariant_start": (INDEPENDENT, _V10, None),
+  "reduce_scatter_start": (INDEPENDENT, _V10, None),
+  "reduce_scatter_done": (INDEPENDENT, _V10, None),
+  "philox2x32": (AS_WRITTEN, _V10, None),
+  "philox4x32": (AS_WRITTEN, _V10, None),
+  "threefry4x32": (AS_WRITTEN, _V10, None),
+  "stage": (AS_WRITTEN, _V10, None),
+  # from jax 0.11 (jnp.log2 is its own primitive there; log followed by a div before)
+  "log2": (FIRST_ORDER, _V11, None),
+  "one_minus_square": (FIRST_ORDER, _V11, None),
+  "relayout": (LAYOUT, _V11, None),
+  "unreduced_pmax": (INDEPENDENT, _V11, None),
+  "unreduced_pmin": (INDEPENDENT, _V11, None),
+  # jax.experimental's program_order region: opaque, it runs as written
+  "program_order": (AS_WRITTEN, _V11, None),
+  # from jax 0.12
+  "polynomial": (FIRST_ORDER, _V12, None),
+  "pbroadcast_dynamic": (INDEPENDENT, _V12, None),
+  "reduced_vary_cast": (INDEPENDENT, _V12, None),
+  "vary_unreduced_cast": (INDEPENDENT, _V12, None),
+}
+
+#: Higher-order primitives autocast has no rule for: it raises UnsupportedPrimitiveError
+#: on them (wrap the region in ``jax_lossscale.float32`` to run it as written).
+UNHANDLED = ("xla_pmap",)
+
+
+def jax_release() -> tuple[int, int, int]:
+  """The installed JAX's (major, minor, patch) release."""
+  major, minor, patch = (int(v) for v in jax.__version_info__[:3])
+  return (major, minor, patch)
+
+
+def defined_in(name: str, release: tuple[int, ...]) -> bool:
+  """Whether JAX ``release`` (major, minor, patch) defines the primitive ``name``."""
+  if name not in _VERSIONED:
+    return True
+  _, first, until = _VERSIONED[name]
+  return first <= tuple(release) and (until is None or tuple(release) < until)
+
+
+def versioned_names() -> dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]]:
+  """The names only some JAX releases define: (the first release, the first without it)."""
+  return {name: (first, until) for name, (_, first, until) in _VERSIONED.items()}
+
+
+def _all_kinds() -> dict[str, str]:
+  kinds = {name: k for k, names in _KINDS.items() for name in names}
+  kinds.update({name: k for name, (k, _, _) in _VERSIONED.items()})
+  return kinds
 
 
 def _exported(name: str) -> jex.Primitive | None:
@@ -449,13 +543,12 @@ def _exported(name: str) -> jex.Primitive | None:
 def _build() -> tuple[dict[jex.Primitive, str], dict[str, str]]:
   by_object: dict[jex.Primitive, str] = {}
   by_name: dict[str, str] = {}
-  for k, names in _KINDS.items():
-    for name in names:
-      prim = _exported(name)
-      if prim is not None:
-        by_object[prim] = k
-      else:
-        by_name[name] = k
+  for name, k in _all_kinds().items():
+    prim = _exported(name)
+    if prim is not None:
+      by_object[prim] = k
+    else:
+      by_name[name] = k
   return by_object, by_name
 
 
@@ -500,6 +593,8 @@ def by_name(name: str) -> jex.Primitive | None:
   return None
 
 
-def table_names() -> dict[str, str]:
-  """Every name of the table with its kind (for the drift test)."""
-  return {name: k for k, names in _KINDS.items() for name in names}
+def table_names(release: tuple[int, ...] | None = None) -> dict[str, str]:
+  """Every name of the table that JAX ``release`` (the installed one by default) defines,
+  with its kind (for the drift test)."""
+  release = jax_release() if release is None else release
+  return {name: k for name, k in _all_kinds().items() if defined_in(name, release)}
