@@ -155,7 +155,6 @@ gpu-bench-retry:
 # version, makes a compile-only GPU from a target description (benchmarks/gpu_targets/): no
 # GPU, driver or CUDA libraries needed; CUDA 12's ptxas comes with it (CUDA 13's has no
 # sm_70). `make test` installs it too: tests/test_gpu_plan.py runs in CI (CI=1 requires it).
-.PHONY: gpu-plan
 GPU_PLAN_STAMP := $(VENV)/.installed-gpu-plan
 
 $(GPU_PLAN_STAMP): $(STAMP)
