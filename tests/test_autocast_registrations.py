@@ -256,7 +256,13 @@ def test_registration_holds_under_each_transformation(name):
   assert ref.dtype == expected, name
   for tname, out in zip(names, outs, strict=True):
     assert out.dtype == expected, (name, tname, out.dtype)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref), err_msg=f"{name} {tname}")
+    if expected == F32:
+      # A float32 result is compared to a few ulps: XLA:CPU on jax 0.12 rounds float32
+      # tanh and exp differently in a batched program than in a per-row one (2 ulps here),
+      # with autocast or without it. Its dtype above is the registration's check.
+      np.testing.assert_array_max_ulp(np.asarray(out), np.asarray(ref), maxulp=4)
+    else:
+      np.testing.assert_array_equal(np.asarray(out), np.asarray(ref), err_msg=f"{name} {tname}")
 
 
 def test_gelu_under_vmap_is_the_plain_calls_float16_bits():
