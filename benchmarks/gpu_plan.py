@@ -545,19 +545,16 @@ def _key(k: Kernel) -> tuple[str, str, str]:
 def diff(plan: Plan, reference: Plan) -> tuple[list[Kernel], list[Kernel]]:
   """The kernels of ``plan`` that ``reference`` has not, and those it lacks (by kind, shape and
   fused body; names differ between compiles)."""
-  ref = [_key(k) for k in reference.kernels]
-  mine = [_key(k) for k in plan.kernels]
-  extra, missing = [], []
-  pool = list(ref)
-  for k in plan.kernels:
+  return _unmatched(plan.kernels, reference.kernels), _unmatched(reference.kernels, plan.kernels)
+
+
+def _unmatched(kernels: list[Kernel], others: list[Kernel]) -> list[Kernel]:
+  """The kernels of ``kernels`` left once each of ``others`` has matched one (by ``_key``)."""
+  pool = [_key(k) for k in others]
+  left = []
+  for k in kernels:
     if _key(k) in pool:
       pool.remove(_key(k))
     else:
-      extra.append(k)
-  pool = list(mine)
-  for k in reference.kernels:
-    if _key(k) in pool:
-      pool.remove(_key(k))
-    else:
-      missing.append(k)
-  return extra, missing
+      left.append(k)
+  return left
