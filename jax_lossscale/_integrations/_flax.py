@@ -441,7 +441,7 @@ class TrainState(train_state.TrainState):
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)  # flax.struct's: makes cls a dataclass, sets replace
-    cls.replace = cls._checked_replace  # type: ignore[method-assign, assignment]
+    cls.replace = cls._checked_replace  # type: ignore[method-assign, assignment, unused-ignore]
 
   def _checked_replace(self, **updates: Any) -> TrainState:
     """A copy with the given fields replaced (Flax's ``replace``), checking ``dynamic_scale``.
@@ -480,7 +480,7 @@ class TrainState(train_state.TrainState):
 
 
 # flax.struct sets a plain ``replace`` on each dataclass it makes (this one included).
-TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign, assignment]
+TrainState.replace = TrainState._checked_replace  # type: ignore[method-assign, assignment, unused-ignore]
 
 #: How to fix a field whose old value cannot be put back on a skipped step.
 _FIELD_HINT = (

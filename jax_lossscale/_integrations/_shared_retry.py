@@ -87,7 +87,7 @@ def retry_value_and_grad(
     first = found.replace(**{f: getattr(found, f)[...] for f in DATA_FIELDS})
     # The wrappers' scale apart from the rest, so that each attempt merges a copy of the model
     # at its own scale (variables made outside the loop cannot be set inside it).
-    graphdef, scale_vars, rest = nnx.split(model, nnx.PathContains("loss_scale"), ...)  # type: ignore[misc]
+    graphdef, scale_vars, rest = nnx.split(model, nnx.PathContains("loss_scale"), ...)  # type: ignore[misc, unused-ignore]
     rest = nnx.as_pure(rest)  # values only: each attempt makes its own variables
 
     def attempt(scale_state):
