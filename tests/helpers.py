@@ -15,6 +15,8 @@ before any test module, and so before this one, is imported).
 * :func:`has_cuda`: whether JAX sees a CUDA device.
 * :func:`make_nnx_optimizer`, :func:`nnx_update`: ``nnx.Optimizer`` built and stepped
   the same way on every Flax version the package supports.
+* :func:`bits`, :func:`assert_bits_equal`: every leaf as its raw bits, and two trees
+  compared bit for bit (NaN payloads and -0.0 included).
 * :func:`load_benchmark_module`: a module of ``benchmarks/`` (with that folder on
   ``sys.path``, as its scripts run), for code that lives beside its benchmark.
 """
@@ -40,6 +42,21 @@ def load_benchmark_module(name: str):
   if BENCHMARKS_DIR not in sys.path:
     sys.path.insert(0, BENCHMARKS_DIR)
   return importlib.import_module(name)
+
+
+def bits(tree):
+  """Every leaf as its raw bits (bit-identity, NaN payloads and -0.0 included)."""
+  return [
+    np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree_util.tree_leaves(tree)
+  ]
+
+
+def assert_bits_equal(a, b):
+  """``a`` and ``b`` have as many leaves, each the same bits."""
+  la, lb = bits(a), bits(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(x, y)
 
 
 def make_nnx_optimizer(model, tx):

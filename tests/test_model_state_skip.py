@@ -17,6 +17,7 @@ from flax import nnx
 from flax import struct
 import flax.linen as nn
 import flax.training.train_state
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -30,20 +31,6 @@ import jax_lossscale as jls
 from jax_lossscale.flax import TrainState
 
 B, D = 8, 4
-
-
-def bits(tree):
-  """Every leaf as its raw bits (bit-identity, NaN payloads and -0.0 included)."""
-  return [
-    np.asarray(x).view(f"u{np.asarray(x).dtype.itemsize}") for x in jax.tree_util.tree_leaves(tree)
-  ]
-
-
-def assert_bits_equal(a, b):
-  la, lb = bits(a), bits(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
 
 
 def assert_all_finite(tree):
