@@ -13,7 +13,8 @@ import pytest
 
 from jax_lossscale import _autocast
 from jax_lossscale._autocast import AutocastError
-from jax_lossscale._autocast import _interpreter
+from jax_lossscale._autocast import _primitives as prims
+from jax_lossscale._autocast import _values
 from jax_lossscale._autocast import autocast
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -72,9 +73,9 @@ def test_a_weakly_typed_scalar_does_not_promote_a_zero_dim_float16_tensor():
 def test_a_handler_missing_a_parameter_raises_naming_it(monkeypatch):
   # A jax version whose higher-order primitive lacks a parameter the handler reads.
   def handler(interp, eqn, invals):
-    return _interpreter._param(eqn, "no_such_param", "its_old_name")
+    return _values.param(eqn, "no_such_param", "its_old_name")
 
-  monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
+  monkeypatch.setitem(prims._HANDLERS, "cond", prims.Handler(handler, untapped=True))
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
   with pytest.raises(
     AutocastError,
@@ -90,7 +91,7 @@ def test_a_key_error_inside_a_handler_is_not_taken_for_a_missing_parameter(monke
   def handler(interp, eqn, invals):
     return {}["not_a_parameter"]
 
-  monkeypatch.setitem(_interpreter.HANDLERS, "cond", handler)
+  monkeypatch.setitem(prims._HANDLERS, "cond", prims.Handler(handler, untapped=True))
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
   with pytest.raises(KeyError, match="not_a_parameter"):
     autocast(f)(True, jnp.ones(3))
@@ -190,9 +191,9 @@ def test_float_promotion_is_torchs_for_every_pair_and_triple():
   from_torch = {v: k for k, v in to_torch.items()}
   for ds in itertools.product([F16, BF16, F32], repeat=3):
     theirs = functools.reduce(torch.promote_types, [to_torch[d] for d in ds])
-    assert _interpreter.torch_promote(list(ds)) == from_torch[theirs], ds
+    assert _values.torch_promote(list(ds)) == from_torch[theirs], ds
     assert (
-      _interpreter.torch_promote(list(ds[:2]))
+      _values.torch_promote(list(ds[:2]))
       == from_torch[torch.promote_types(*map(to_torch.get, ds[:2]))]
     )
 

@@ -15,9 +15,11 @@ import jax.extend.core as jex
 import numpy as np
 import pytest
 
+from jax_lossscale._autocast import _higher_order
 from jax_lossscale._autocast import _interpreter
 from jax_lossscale._autocast import _policy
 from jax_lossscale._autocast import _primitives as prims
+from jax_lossscale._autocast import _values
 from jax_lossscale._autocast._errors import UnsupportedPrimitiveError
 
 
@@ -47,6 +49,7 @@ def _jax_primitives():
 
 
 PRIMITIVES = _jax_primitives()
+ALL_NAMES = {p.name for p, _ in PRIMITIVES}
 
 
 def test_every_name_in_the_table_is_a_primitive_of_this_jax():
@@ -92,7 +95,7 @@ def test_every_primitive_of_this_jax_has_a_kind():
 
 
 def test_every_policy_row_is_a_first_order_primitive():
-  for row in _policy.POLICY_TABLE:
+  for row in prims.POLICY_TABLE:
     assert prims.kind(prims.resolve(row.primitive)) == prims.FIRST_ORDER, row
 
 
@@ -100,7 +103,37 @@ def test_every_higher_order_kind_has_a_handler():
   for release in prims.CHECKED_RELEASES:
     for name, kind in prims.table_names(release).items():
       if kind == prims.HIGHER_ORDER:
-        assert (name in _interpreter.HANDLERS) != (name in prims.UNHANDLED), (release, name)
+        handled = prims.handler_of(name) is not None
+        assert handled != (name in prims.UNHANDLED), (release, name)
+
+
+def test_every_handler_is_declared_for_a_primitive_of_some_checked_release():
+  # The other direction: a handler declared under a name no checked JAX release gives its
+  # primitive (as `checkpoint` was: JAX names remat's primitive `remat2`) would be dead.
+  for name, handler in prims.handlers().items():
+    releases = [r for r in prims.CHECKED_RELEASES if prims.defined_in(name, r)]
+    assert releases, (name, handler)
+    if prims.defined_in(name, prims.jax_release()):
+      assert name in ALL_NAMES, f"{name}: declared for this jax, which has no such primitive"
+    else:
+      assert name not in ALL_NAMES, f"{name}: this jax has it, outside its declared releases"
+
+
+def test_a_primitive_is_declared_once():
+  listed = [n for names in prims._KINDS.values() for n in names]
+  rows = [row.primitive for row in prims.POLICY_TABLE]
+  every = [*listed, *rows, *prims._VERSIONED, *prims.handlers()]
+  twice = sorted({n for n in every if every.count(n) > 1})
+  assert not twice, f"declared twice in the registry: {twice}"
+  with pytest.raises(ValueError, match="'scan' is declared twice"):
+    prims.higher_order("scan")(lambda interp, eqn, ins: ins)
+  with pytest.raises(ValueError, match="'exp' is declared twice"):
+    prims.higher_order("exp")(lambda interp, eqn, ins: ins)
+
+
+def test_the_rank_keeping_flag_is_on_layout_primitives_only():
+  for name in prims.KEEPS_RANK:
+    assert prims.table_names()[name] == prims.LAYOUT, name
 
 
 def test_an_unhandled_higher_order_primitive_raises_naming_it():
@@ -141,26 +174,26 @@ def _eqn(name, params):
 def test_a_parameter_missing_in_this_jax_raises_naming_the_version_and_the_parameter():
   eqn = _eqn("while", {"body_jaxpr": None})
   with pytest.raises(UnsupportedPrimitiveError) as raised:
-    _interpreter._param(eqn, "cond_jaxpr")
+    _values.param(eqn, "cond_jaxpr")
   message = str(raised.value)
   assert f"'cond_jaxpr' is missing in jax {jax.__version__}" in message, message
   assert "['body_jaxpr']" in message and "`while`" in message, message
   # a renamed parameter is read under its other spelling
-  assert _interpreter._param(_eqn("eval_jaxpr", {"jaxpr": 1}), "call_jaxpr", "jaxpr") == 1
+  assert _values.param(_eqn("eval_jaxpr", {"jaxpr": 1}), "call_jaxpr", "jaxpr") == 1
 
 
 def test_scans_layout_is_read_in_each_spelling():
   # jax 0.9-0.10: num_consts and num_carry; jax >= 0.11: ft_in, a flat tree (consts, carry, xs).
-  assert _interpreter._scan_layout(_eqn("scan", {"num_consts": 2, "num_carry": 1})) == (2, 1)
+  assert _higher_order._scan_layout(_eqn("scan", {"num_consts": 2, "num_carry": 1})) == (2, 1)
   with pytest.raises(UnsupportedPrimitiveError, match=r"'num_consts' is missing in jax"):
-    _interpreter._scan_layout(_eqn("scan", {"length": 3}))
+    _higher_order._scan_layout(_eqn("scan", {"length": 3}))
   scan = jax.make_jaxpr(lambda c, xs, w: jax.lax.scan(lambda c, x: (c * w + x, c), c, xs))(
     1.0, jax.numpy.ones(3), 2.0
   )
   (eqn,) = [e for e in scan.jaxpr.eqns if e.primitive.name == "scan"]
-  assert _interpreter._scan_layout(eqn) == (1, 1)
-  new = _interpreter._scan_with_leading_consts(eqn, dict(eqn.params), 2)
-  assert _interpreter._scan_layout(_eqn("scan", new)) == (3, 1)
+  assert _higher_order._scan_layout(eqn) == (1, 1)
+  new = _higher_order._scan_with_leading_consts(eqn, dict(eqn.params), 2)
+  assert _higher_order._scan_layout(_eqn("scan", new)) == (3, 1)
   # The scan rebound with those params and a body taking two more leading consts (scales of
   # the original const) computes what the original does with the const scaled by them.
   body = jex.jaxpr_as_fun(eqn.params["jaxpr"])
@@ -168,7 +201,7 @@ def test_scans_layout_is_read_in_each_spelling():
   wider = jax.make_jaxpr(lambda a, b, w, c, x: body(w * a * b, c, x))(
     1.0, 1.0, 2.0, 1.0, jax.numpy.float32(0.0)
   )
-  got = _interpreter._bind(eqn, [0.5, 3.0, *args], dict(new, jaxpr=wider))
-  want = _interpreter._bind(eqn, [3.0, *args[1:]])
+  got = _values.bind(eqn, [0.5, 3.0, *args], dict(new, jaxpr=wider))
+  want = _values.bind(eqn, [3.0, *args[1:]])
   for g, w in zip(got, want, strict=True):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -261,6 +261,13 @@ def test_registration_holds_under_each_transformation(name):
       # tanh and exp differently in a batched program than in a per-row one (2 ulps here),
       # with autocast or without it. Its dtype above is the registration's check.
       np.testing.assert_array_max_ulp(np.asarray(out), np.asarray(ref), maxulp=4)
+    elif "scan" in tname:
+      # A float16 chain in a scan body is fused apart from the per-row reference, and an
+      # XLA:CPU with native float16 arithmetic (AVX512-FP16) rounds some of its steps in
+      # float16 there and not in the other: plain JAX without autocast gives the scan and
+      # the loop of `tanh(a) * a + exp(a) / 4` 1 ulp apart on such a CPU. The dtype above
+      # is the registration's check; every other transformation stays bit for bit.
+      np.testing.assert_array_max_ulp(np.asarray(out), np.asarray(ref), maxulp=1)
     else:
       np.testing.assert_array_equal(np.asarray(out), np.asarray(ref), err_msg=f"{name} {tname}")
 

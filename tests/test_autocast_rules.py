@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._autocast import _interpreter
+from jax_lossscale._autocast import _values
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -205,7 +205,7 @@ def test_a_python_scalar_literal_follows_and_a_float32_input_promotes():
 
 
 def test_facts_are_the_values_own():
-  v = _interpreter.Val(jnp.ones(2), _interpreter.Facts(lowp=True))
+  v = _values.Val(jnp.ones(2), _values.Facts(lowp=True))
   assert v.facts.lowp and v.facts.input_rank is None and not v.facts.follows
 
 

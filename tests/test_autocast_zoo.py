@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._autocast import _interpreter  # jaxprs_in_params on each jax version
+from jax_lossscale._autocast import _values  # jaxprs_in_params on each jax version
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 GUIDE = Path(__file__).resolve().parent.parent / "docs/guides/autocast.md"
@@ -1165,7 +1165,7 @@ def test_values_are_close_to_float32(name):
 def _eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in _interpreter._jaxprs_in_params(eqn.params):
+    for sub in _values.jaxprs_in_params(eqn.params):
       yield from _eqns(sub)
 
 
@@ -1177,7 +1177,7 @@ def test_inside_a_loop_body_the_biased_matmul_and_tanh_run_in_float16(name):
   jaxpr = jax.make_jaxpr(jls.autocast(c.fn, jnp.float16))(c.params, *c.inputs).jaxpr
   loops = [e for e in _eqns(jaxpr) if e.primitive.name in ("scan", "while")]
   assert loops, name
-  bodies = [sub for loop in loops for sub in _interpreter._jaxprs_in_params(loop.params)]
+  bodies = [sub for loop in loops for sub in _values.jaxprs_in_params(loop.params)]
   tanhs = [e for body in bodies for e in _eqns(body) if e.primitive.name == "tanh"]
   assert tanhs and all(np.dtype(e.invars[0].aval.dtype) == F16 for e in tanhs), name
 

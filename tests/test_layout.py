@@ -7,8 +7,9 @@ parent packages' ``__init__``; those implicit edges are left out, as import-lint
 * The subpackages are layered: ``_typing``; then the scaler and autocast, which know
   nothing of each other; then the integrations and the diagnostics; then the public modules.
   An import may only reach down.
-* No module imports itself back through others, except the cycles listed in
-  :data:`KNOWN_CYCLES`, which must be exactly those found (one removed, the list shrinks).
+* No module imports itself back through others.
+* Autocast's interface to the rest of the package is its subpackage's ``__init__``: no
+  module outside ``_autocast`` imports one of its private modules.
 * Every module of ``jax_lossscale/`` is reachable from the public modules; the wheel ships
   the package's tree as it is (``[tool.setuptools.packages.find]``), so a module that no
   public module reaches would be dead code in the wheel.
@@ -28,11 +29,6 @@ LAYERS = (
   ("_integrations", "_diagnostics"),
   ("<public>",),
 )
-
-#: Module cycles that exist today, each as the set of its modules (relative names).
-KNOWN_CYCLES = {
-  frozenset({"_autocast._composite", "_autocast._interpreter"}),
-}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -133,8 +129,18 @@ def test_imports_only_reach_down_the_layers():
   assert not wrong, "\n".join(wrong)
 
 
-def test_the_module_cycles_are_exactly_the_known_ones():
-  assert _cycles(_graph()) == KNOWN_CYCLES
+def test_no_module_imports_itself_back():
+  assert _cycles(_graph()) == set()
+
+
+def test_autocast_is_reached_through_its_subpackage_only():
+  wrong = [
+    f"jax_lossscale.{a} imports jax_lossscale.{b}"
+    for a, targets in sorted(_graph().items())
+    for b in sorted(targets)
+    if b.startswith("_autocast.") and not a.startswith("_autocast")
+  ]
+  assert not wrong, "\n".join(wrong)
 
 
 def test_every_module_is_reachable_from_a_public_module():
@@ -167,3 +173,38 @@ def test_the_graph_has_the_edges_the_code_has():
   assert "_autocast" in edges["_diagnostics._underflow"]  # from package import name
   assert "_integrations._flax" in edges["flax"]
   assert "" not in edges[""]  # no self-edge
+
+
+def _message_ends(node: ast.Raise) -> str | None:
+  """The text a raised exception's literal message ends with, or ``None`` (no literal)."""
+  call = node.exc
+  if not (isinstance(call, ast.Call) and call.args and isinstance(call.func, ast.Name)):
+    return None
+  if not call.func.id.endswith(("Error", "Exception", "Warning")):
+    return None  # a helper building the exception (its own raise is checked there)
+  if call.func.id == "AttributeError":
+    return None  # a module's or a class's __getattr__ speaks as Python's own does
+  message = call.args[0]
+  if isinstance(message, ast.Constant) and isinstance(message.value, str):
+    return message.value
+  if isinstance(message, ast.JoinedStr):
+    last = message.values[-1]
+    if isinstance(last, ast.Constant):
+      return str(last.value)
+    if isinstance(last, ast.FormattedValue) and isinstance(last.value, ast.Name):
+      return "{" + last.value.id + "}"
+    return "{...}"
+  return None
+
+
+def test_every_error_message_is_sentences_ending_with_a_period():
+  # One style across the subpackages: a message ends like a sentence, never on a bare value
+  # (`got 3` is `got 3.`). A trailing {hint} is itself a sentence (checked where it is made).
+  wrong = []
+  for path in sorted(ROOT.rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Raise):
+        end = _message_ends(node)
+        if end is not None and end != "{hint}" and not end.rstrip().endswith((".", "?")):
+          wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: ...{end[-40:]!r}")
+  assert not wrong, "\n".join(wrong)

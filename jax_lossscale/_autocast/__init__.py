@@ -2,35 +2,55 @@
 
 The subpackage's rooms:
 
-* :mod:`._policy`: the rules and torch's lists mapped to lax primitives;
-* :mod:`._primitives`: the kind of every JAX primitive (first-order, layout, scatter,
-  collective, opaque, higher-order, kernel-only), checked against the installed JAX;
-* :mod:`._interpreter`: the jaxpr interpreter, its per-value facts and the handlers that
-  rebind the higher-order primitives;
+* :mod:`._primitives`: the registry: every JAX primitive's kind (first-order, layout,
+  scatter, collective, opaque, higher-order, kernel-only), the rules of torch's lists,
+  the handlers of the higher-order primitives and the flags, checked against the
+  installed JAX;
+* :mod:`._policy`: the default policy built from the registry, and a user's overrides
+  checked;
+* :mod:`._values`: the values the interpreter computes with, their facts, and the casts
+  and binds every handler shares;
+* :mod:`._interpreter`: the jaxpr interpreter, dispatching on the registry;
+* :mod:`._higher_order`: the handlers of the higher-order primitives, each declared in
+  the registry by a decorator;
 * :mod:`._composite`: composite ops with their own rule (``autocast_op``) and the
   registrations torch implies (attention, RNN cells, batch norms);
+* :mod:`._attention`: the attention kernel chosen for the platform;
 * :mod:`._api`: ``autocast`` and ``float32``;
+* :mod:`._arguments`: a call's arguments split into arrays and static values;
 * :mod:`._errors`: the exception types.
+
+Besides the public names, the subpackage gives the diagnostics what they build on:
+:func:`interpret` (an autocast function evaluated with a :class:`TapSink` of gradient
+taps) and :func:`is_array`.
 """
 
+# The handlers declare themselves in the registry when their module is imported.
+from jax_lossscale._autocast import _higher_order as _higher_order
 from jax_lossscale._autocast._api import AutocastSpec as AutocastSpec
 from jax_lossscale._autocast._api import autocast as autocast
 from jax_lossscale._autocast._api import autocast_spec as autocast_spec
 from jax_lossscale._autocast._api import float32 as float32
+from jax_lossscale._autocast._api import interpret as interpret
+from jax_lossscale._autocast._arguments import is_array as is_array
 from jax_lossscale._autocast._composite import autocast_op as autocast_op
 from jax_lossscale._autocast._errors import AutocastError as AutocastError
 from jax_lossscale._autocast._errors import ClosedOverTracerError as ClosedOverTracerError
 from jax_lossscale._autocast._errors import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from jax_lossscale._autocast._policy import autocast_policy as autocast_policy
+from jax_lossscale._autocast._values import TapSink as TapSink
 
 __all__ = (
   "AutocastError",
   "AutocastSpec",
   "ClosedOverTracerError",
+  "TapSink",
   "UnsupportedPrimitiveError",
   "autocast",
   "autocast_op",
   "autocast_policy",
   "autocast_spec",
   "float32",
+  "interpret",
+  "is_array",
 )

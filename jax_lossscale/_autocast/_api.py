@@ -15,26 +15,38 @@ import numpy as np
 from jax_lossscale._autocast import _composite
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
-from jax_lossscale._autocast._interpreter import AUTOCAST_MARK
-from jax_lossscale._autocast._interpreter import FLOAT32_MARK
-from jax_lossscale._autocast._interpreter import Facts
+from jax_lossscale._autocast._higher_order import jit_region
 from jax_lossscale._autocast._interpreter import Interpreter
-from jax_lossscale._autocast._interpreter import Taps
-from jax_lossscale._autocast._interpreter import Val
 from jax_lossscale._autocast._policy import ELIGIBLE
 from jax_lossscale._autocast._policy import check_policy
+from jax_lossscale._autocast._values import Facts
+from jax_lossscale._autocast._values import TapSink
+from jax_lossscale._autocast._values import Val
 from jax_lossscale._typing import DTypeLike
 
 __all__ = ("AutocastSpec", "autocast", "autocast_spec", "float32", "interpret")
+
+
+#: The name prefixes of the ``jit`` regions the interpreter runs as written: a
+#: ``float32(fn)`` region, and a nested ``autocast`` function (it casts on its own).
+FLOAT32_MARK = "jls_float32"
+AUTOCAST_MARK = "jls_autocast"
+
+
+@jit_region(FLOAT32_MARK)
+@jit_region(AUTOCAST_MARK)
+def _as_written_region(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
+  """A region left as written: its inputs go back to the declared dtypes."""
+  return interp.as_written(eqn, ins)
 
 
 def _check_dtype(dtype: Any) -> np.dtype[Any]:
   try:
     dt: np.dtype[Any] = np.dtype(dtype)
   except TypeError as e:
-    raise TypeError(f"dtype must be a float dtype, got {dtype!r}") from e
+    raise TypeError(f"dtype must be a float dtype, got {dtype!r}.") from e
   if dt not in ELIGIBLE:
-    raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dt}")
+    raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dt}.")
   return dt
 
 
@@ -145,7 +157,7 @@ def autocast(
     dtype('float32')
   """
   if not callable(fun):
-    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   dt = _check_dtype(dtype)
   table = check_policy(policy)
   interp = Interpreter(dt, table)
@@ -210,7 +222,7 @@ def interpret(
   dtype: Any,
   args: Any,
   *,
-  taps: Taps | None = None,
+  taps: TapSink | None = None,
   follows: Callable[[tuple[Any, ...]], bool] | None = None,
   as_written: bool = False,
 ) -> Any:
@@ -260,7 +272,7 @@ def float32(fun: Callable[..., Any]) -> Callable[..., Any]:
     (dtype('float32'), dtype('float16'))
   """
   if not callable(fun):
-    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   name = f"{FLOAT32_MARK}_{getattr(fun, '__name__', 'region')}".replace("<", "").replace(">", "")
 
   cache: dict[Any, Any] = {}

@@ -37,19 +37,19 @@ from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._attention import attention as routed_attention
 from jax_lossscale._autocast._errors import AutocastError
-from jax_lossscale._autocast._interpreter import OP_MARK
-from jax_lossscale._autocast._interpreter import Facts
+from jax_lossscale._autocast._higher_order import jit_region
 from jax_lossscale._autocast._interpreter import Interpreter
-from jax_lossscale._autocast._interpreter import Val
-from jax_lossscale._autocast._interpreter import cast
-from jax_lossscale._autocast._interpreter import torch_promote
-from jax_lossscale._autocast._policy import COMPOSITE_RULES
-from jax_lossscale._autocast._policy import FLOAT32
-from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
-from jax_lossscale._autocast._policy import LOWER
-from jax_lossscale._autocast._policy import PROMOTE
 from jax_lossscale._autocast._policy import is_eligible
 from jax_lossscale._autocast._policy import nearest
+from jax_lossscale._autocast._primitives import COMPOSITE_RULES
+from jax_lossscale._autocast._primitives import FLOAT32
+from jax_lossscale._autocast._primitives import FLOAT32_COMPUTE
+from jax_lossscale._autocast._primitives import LOWER
+from jax_lossscale._autocast._primitives import PROMOTE
+from jax_lossscale._autocast._values import Facts
+from jax_lossscale._autocast._values import Val
+from jax_lossscale._autocast._values import cast
+from jax_lossscale._autocast._values import torch_promote
 
 __all__ = ("autocast_op", "evaluate", "registrations", "tracing", "tracing_dtype")
 
@@ -57,6 +57,9 @@ __all__ = ("autocast_op", "evaluate", "registrations", "tracing", "tracing_dtype
 #: user context, so a ``jax.jit`` traced under autocast is cached apart from the same
 #: ``jax.jit`` traced outside it.
 _TRACING = jax.make_user_context(None)
+
+#: The name prefix of a composite op's marker (a ``jit``), evaluated by :func:`evaluate`.
+OP_MARK = "jls_op_"
 
 
 def tracing_dtype() -> np.dtype | None:
@@ -142,6 +145,7 @@ def _call(entry: _Entry, dyn: list[Any], lower: Any) -> tuple[list[Any], Any]:
   return _restore_primary(entry, leaves, primary), tree
 
 
+@jit_region(OP_MARK)
 def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   """The interpreter's rule for a composite op's marker equation."""
   token = str(eqn.params["name"])[len(OP_MARK) :]
@@ -159,7 +163,7 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
     outs = _transformed(interp, entry, eqn, ins)
   lowp = entry.rule == LOWER
   if lowp:  # its outputs are lower-precision results: check_underflow taps them
-    outs = interp._tap(eqn, outs, getattr(entry.fn, "__name__", None))
+    outs = interp.tap(eqn, outs, getattr(entry.fn, "__name__", None))
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
     for o in outs
@@ -302,16 +306,16 @@ def autocast_op(
   """
   if not isinstance(rule, str) or rule not in COMPOSITE_RULES:
     raise ValueError(
-      f"rule must be one of {COMPOSITE_RULES}, got {rule!r}{nearest(str(rule), COMPOSITE_RULES)}"
+      f"rule must be one of {COMPOSITE_RULES}, got {rule!r}{nearest(str(rule), COMPOSITE_RULES)}."
     )
   if isinstance(primary, bool) or not isinstance(primary, int):
-    raise TypeError(f"primary must be an int, got {type(primary).__name__}")
+    raise TypeError(f"primary must be an int, got {type(primary).__name__}.")
   if primary < 0:
-    raise ValueError(f"primary must be >= 0, got {primary}")
+    raise ValueError(f"primary must be >= 0, got {primary}.")
   if fun is None:
     return functools.partial(autocast_op, rule=rule, primary=primary)
   if not callable(fun):
-    raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+    raise TypeError(f"fun must be callable, got {type(fun).__name__}.")
   return _op_wrapper(fun, rule, primary)
 
 

@@ -19,9 +19,10 @@ import numpy as np
 import optax
 
 from jax_lossscale._autocast import autocast_spec
-from jax_lossscale._autocast._api import interpret
-from jax_lossscale._autocast._interpreter import Taps
+from jax_lossscale._autocast import interpret
+from jax_lossscale._autocast import is_array
 from jax_lossscale._diagnostics._stats import named_float_leaves
+from jax_lossscale._diagnostics._taps import Taps
 from jax_lossscale._scaler._numerics import is_float
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._state import scale_of
@@ -264,8 +265,6 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
 
 def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
   """Params with their non-array leaves (an Equinox module's functions) held static."""
-  from jax_lossscale._autocast._arguments import is_array
-
   leaves, treedef = jax.tree_util.tree_flatten(params)
   static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
   if not any(static):

@@ -970,13 +970,13 @@ EQUIVALENT: dict[str, str] = {
     "rounds to the same float32"
   ),
   "_product:exact_reciprocal:cmp-strict:2248#2": "as _product:exact_reciprocal:cmp-strict:2248 (the same long division, later bits)",
-  # _autocast/ (_interpreter, _api)
+  # _autocast/ (_interpreter, _values, _higher_order, _api)
   "_interpreter:Interpreter.promote:if-false:a5eb": (
     "with fewer than two float operands every declared-dtype group has one member, so the "
     "loop below skips each (fewer than two dtypes in the group) and returns the operands "
     "unchanged: a fast path"
   ),
-  "_interpreter:cast_to_declared:if-true:364f": (
+  "_values:cast_to_declared:if-true:364f": (
     "autocast casts only floats, so a non-float value already has its declared dtype and "
     "cast returns it unchanged; every jaxpr value has a dtype (no tokens reach a loop "
     "carry or a float32 region)"
@@ -1029,7 +1029,7 @@ EQUIVALENT: dict[str, str] = {
     "nothing is ever stored under the key None (the store is guarded by key is not None), "
     "so cache.get(None) is None, as the original's fallback"
   ),
-  "_interpreter:_eval_custom_vjp.bwd_rule:if-false:91b2": (
+  "_higher_order:_eval_custom_vjp.bwd_rule:if-false:91b2": (
     "a zero or integer cotangent is then the instantiated zeros of the argument's dtype "
     "instead of None: custom_vjp treats None as zeros and turns an integer zero array for an "
     "integer argument into float0, the same cotangents (checked by experiment: float and "
@@ -1084,14 +1084,14 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_product:_exact_product.rounded:cmp-negate:c1ad": (
     "tests/test_product.py::test_a_float64_tie_rounds_to_even_before_the_float32_rounding",
   ),
-  # _autocast/_interpreter
-  "_interpreter:cast:if-false:e414": (
+  # _autocast/ (_values, _higher_order)
+  "_values:cast:if-false:e414": (
     "tests/test_autocast_edges.py::test_a_value_already_in_the_target_dtype_keeps_its_weak_type",
   ),
-  "_interpreter:_unspecified:cmp-negate:f8c4": (
+  "_higher_order:_unspecified:cmp-negate:f8c4": (
     "tests/test_autocast.py::test_a_nested_jit_keeps_its_in_and_out_shardings[AxisType.Explicit]",
   ),
-  "_interpreter:_abstract:drop-kwarg:sharding:1d3d": (
+  "_higher_order:_abstract:drop-kwarg:sharding:1d3d": (
     "tests/test_autocast_edges.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
     "[AxisType.Explicit]",
   ),
