@@ -4,12 +4,15 @@
   ``benchmarks/results/*.json``, rendered by ``benchmarks/bench_report.py`` (the renderer
   that writes the committed ``.md`` next to each JSON file): a new results file shows up on
   the next build, with no edit here.
+* ``<!-- policy-table -->``, ``<!-- kinds-table -->`` and ``<!-- registrations-table -->``
+  (``docs/guides/autocast.md``) are replaced by the autocast tables rendered from the code
+  by ``docs/autocast_tables.py`` (:func:`autocast_tables`).
 * ``examples/assets/*.png`` (the demo's picture) are added to the site as ``assets/``.
 * The build fails if a name in the ``__all__`` of ``jax_lossscale`` or of one of its public
   namespaces (``jax_lossscale/<name>.py``) has no ``::: jax_lossscale...`` entry in ``docs/api/``.
 
 ``tests/test_docs.py`` calls :func:`public_names`, :func:`missing_api_entries` and
-:func:`benchmark_tables` too.
+:func:`benchmark_tables` too; ``tests/test_autocast_guide.py`` calls :func:`autocast_tables`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ def benchmark_tables(root: pathlib.Path) -> str:
   return "\n".join(sections) if sections else "No results in `benchmarks/results/` yet.\n"
 
 
+def autocast_tables(root: pathlib.Path):
+  """The module ``docs/autocast_tables.py``: the autocast guide's renderers and placeholders."""
+  docs_dir = str(root / "docs")
+  if docs_dir not in sys.path:
+    sys.path.insert(0, docs_dir)
+  import autocast_tables
+
+  return autocast_tables
+
+
 def _root(config) -> pathlib.Path:
   return pathlib.Path(config["config_file_path"]).resolve().parent
 
@@ -89,6 +102,9 @@ def on_files(files, config, **kwargs):
 def on_page_markdown(markdown, page, config, files, **kwargs):
   if BENCH_MARKER in markdown:
     markdown = markdown.replace(BENCH_MARKER, benchmark_tables(_root(config)))
+  tables = autocast_tables(_root(config))
+  if any(placeholder in markdown for placeholder in tables.PLACEHOLDERS):
+    markdown = tables.render(markdown)
   return markdown
 
 

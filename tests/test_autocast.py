@@ -932,14 +932,6 @@ def _guide_blocks():
   return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
 
 
-def test_the_guide_shows_the_policy_table_row_for_row():
-  text = GUIDE.read_text()
-  table = text.split("<!-- policy-table:start -->\n")[1].split("<!-- policy-table:end -->")[0]
-  rows = [line for line in table.strip().splitlines()[2:]]
-  want = [f"| `{r.primitive}` | {r.rule} | {r.torch} | {r.note} |" for r in POLICY_TABLE]
-  assert rows == want
-
-
 @pytest.mark.parametrize("index", range(len(_guide_blocks())))
 def test_the_guides_python_blocks_run(index):
   exec(compile(_guide_blocks()[index], f"{GUIDE.name}[{index}]", "exec"), {})

@@ -1,15 +1,15 @@
-"""docs/guides/autocast.md against the code: its tables are the code's tables.
+"""docs/guides/autocast.md against the code.
 
-* the registrations table is ``_composite.registrations()``, row for row;
-* the kinds table lists every kind of ``_primitives.KIND_DESCRIPTIONS``, once;
+* the policy, kinds and registrations tables are rendered from the code when the site is built
+  (``docs/autocast_tables.py``, called by ``docs/hooks.py``): the guide holds a placeholder per
+  table, and each renderer gives a row per policy row, per kind, per registration;
 * the deviations table names exactly the zoo's ``DEVIATIONS`` and the deviations tested
   here (:data:`GUIDE_DEVIATIONS`), each checked against torch's dtype.
 
-The policy table is checked row for row by ``tests/test_autocast.py``
-(``test_the_guide_shows_the_policy_table_row_for_row``); the guide's Python blocks run in
-``tests/test_docs.py`` and ``tests/test_autocast.py``.
+The guide's Python blocks run in ``tests/test_docs.py`` and ``tests/test_autocast.py``.
 """
 
+import importlib.util
 from pathlib import Path
 import re
 
@@ -24,17 +24,25 @@ from jax_lossscale._autocast import _composite
 from jax_lossscale._autocast import _primitives
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
-GUIDE = Path(__file__).resolve().parent.parent / "docs/guides/autocast.md"
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs/guides/autocast.md"
+
+
+def _rows(markdown):
+  """The body rows of the first markdown table in ``markdown``, as cells."""
+  text = "\n" + markdown
+  lines = text[text.index("\n|") + 1 :].split("\n\n")[0].strip().splitlines()
+  assert lines[1].startswith("|---"), lines[:2]
+  split = re.compile(r"(?<!\\)\|")  # a cell's `\|` is text
+  return [[cell.strip() for cell in split.split(line.strip().strip("|"))] for line in lines[2:]]
 
 
 def _table(marker):
-  """The body rows of the table between ``<!-- marker:start -->`` and ``:end``, as cells."""
+  """The body rows of the guide's table between ``<!-- marker:start -->`` and ``:end``."""
   text = GUIDE.read_text()
   start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
   assert text.count(start) == 1 and text.count(end) == 1, marker
-  lines = text.split(start)[1].split(end)[0].strip().splitlines()
-  assert lines[1].startswith("|---"), marker
-  return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+  return _rows(text.split(start)[1].split(end)[0])
 
 
 def _code(cell):
@@ -43,26 +51,116 @@ def _code(cell):
   return match.group(1)
 
 
-def test_the_registrations_table_is_the_codes_row_for_row():
-  rows = [
-    (_code(module), _code(attr), rule) for module, attr, rule, *_ in _table("registrations-table")
-  ]
-  assert tuple(rows) == _composite.registrations()
+# -- the tables rendered from the code ------------------------------------------------------
 
 
-def test_the_kinds_table_lists_every_kind_once():
-  kinds = [_code(row[0]) for row in _table("kinds-table")]
-  assert sorted(kinds) == sorted(_primitives.KIND_DESCRIPTIONS)
-  assert len(kinds) == len(set(kinds))
+def _hooks():
+  spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+TABLES = _hooks().autocast_tables(ROOT)
+
+
+def test_the_guide_has_each_placeholder_once_and_no_hand_copy():
+  text = GUIDE.read_text()
+  assert len(TABLES.PLACEHOLDERS) == 3
+  for placeholder in TABLES.PLACEHOLDERS:
+    assert text.count(f"\n{placeholder}\n") == 1, placeholder
+    name = placeholder.removeprefix("<!-- ").removesuffix(" -->")
+    assert f"<!-- {name}:start -->" not in text, name
+
+
+def test_the_policy_table_has_a_row_per_policy_row():
+  rows = _rows(TABLES.policy_table())
+  policy = jls.autocast_policy()
+  assert len(policy) > 10
+  assert rows == [[f"`{r.primitive}`", r.rule, r.torch, r.note] for r in policy]
+
+
+def test_the_kinds_table_has_a_row_per_kind():
+  rendered = TABLES.kinds_table()
+  rows = _rows(rendered)
+  names = _primitives.table_names()
+  assert [_code(row[0].split(":")[0]) for row in rows] == list(_primitives.KIND_DESCRIPTIONS)
+  for row, (kind, description) in zip(rows, _primitives.KIND_DESCRIPTIONS.items()):
+    assert row[0] == f"`{kind}`: {description}"
+    count = sum(k == kind for k in names.values())
+    assert row[1] == (str(count) if count else "—"), kind
+    assert row[2] and row[3], kind
+  assert sum(int(row[1]) for row in rows if row[1] != "—") == len(names)
+  higher_order = rows[list(_primitives.KIND_DESCRIPTIONS).index(_primitives.HIGHER_ORDER)]
+  for name in _primitives.UNHANDLED:
+    assert f"`{name}`" in higher_order[3], name
 
 
 def test_the_kinds_tables_examples_have_that_kind():
   names = _primitives.table_names()
-  for row in _table("kinds-table"):
-    kind = _code(row[0])
-    for example in re.findall(r"`([a-z_0-9-]+)`", row[1]):
-      if example in names:
-        assert names[example] == kind, (example, kind)
+  shown = 0
+  for row in _rows(TABLES.kinds_table()):
+    kind = _code(row[0].split(":")[0])
+    for example in re.findall(r"`([a-z_0-9-]+)`", row[2]):
+      if example in _primitives.versioned_names() or example in names:
+        assert names.get(example) == kind, (example, kind)  # defined by this JAX, of that kind
+        shown += 1
+  assert shown > 30
+
+
+def test_the_versioned_primitives_are_each_listed_once():
+  rendered = TABLES.kinds_table()
+  versioned = _primitives.versioned_names()
+  second = rendered[rendered.index("| defined by |") :]
+  listed = re.findall(r"`([a-z_0-9-]+)`", "\n".join(row[2] for row in _rows(second)))
+  assert sorted(listed) == sorted(versioned)
+
+
+def test_the_registrations_table_has_a_row_per_registration():
+  rows = _rows(TABLES.registrations_table())
+  registered = _composite.registrations()
+  assert len(registered) > 10
+  assert [(_code(m), _code(a), rule) for m, a, rule, _ in rows] == [r[:3] for r in registered]
+  assert all(torch for *_, torch in rows)
+
+
+def test_the_hook_renders_the_guides_tables():
+  config = {"config_file_path": str(ROOT / "mkdocs.yml")}
+  page = _hooks().on_page_markdown(GUIDE.read_text(), page=None, config=config, files=None)
+  for placeholder in TABLES.PLACEHOLDERS:
+    assert placeholder not in page, placeholder
+  for table in (TABLES.policy_table(), TABLES.kinds_table(), TABLES.registrations_table()):
+    assert table.strip() in page
+
+
+def test_prose_out_of_step_with_the_code_fails_the_build(monkeypatch):
+  # A kind without prose (a new kind), prose for a registration the code no longer has, and
+  # an example of another kind each raise, which fails `mkdocs build`.
+  kinds = dict(TABLES.KIND_PROSE)
+  del kinds["scatter"]
+  monkeypatch.setattr(TABLES, "KIND_PROSE", kinds)
+  with pytest.raises(ValueError, match=r"kind without prose: \['scatter'\]"):
+    TABLES.kinds_table()
+  monkeypatch.undo()
+
+  ops = {**TABLES.TORCH_OPS, ("jax.nn", "softmax"): "`softmax`"}
+  monkeypatch.setattr(TABLES, "TORCH_OPS", ops)
+  with pytest.raises(ValueError, match="prose for no registration"):
+    TABLES.registrations_table()
+  monkeypatch.undo()
+
+  examples, does = TABLES.KIND_PROSE["layout"]
+  monkeypatch.setitem(TABLES.KIND_PROSE, "layout", ((*examples, "`exp`"), does))
+  with pytest.raises(ValueError, match="`exp` is an example of layout, but is first_order"):
+    TABLES.kinds_table()
+
+
+def test_an_example_this_jax_does_not_define_is_left_out():
+  names = _primitives.table_names()
+  examples = ("`jit`", "`xla_pmap`", "custom calls")
+  shown = TABLES._examples(_primitives.HIGHER_ORDER, examples, names)
+  assert shown.startswith("`jit`, ") and shown.endswith("custom calls")
+  assert ("`xla_pmap`" in shown) == ("xla_pmap" in names)
 
 
 # -- the deviations stated only in the guide: each checked here against torch's dtype ------

@@ -68,11 +68,12 @@ def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   # Not ``1 / scale``: XLA:GPU's float32 division is not correctly rounded.
   inv = exact_reciprocal(scale, jnp.where(big, 64, 0).astype(jnp.int32))
   # ``inv / (1 + 0 * inv)`` is ``inv`` bit for bit (``inv`` is a finite normal
-  # float32). It ends the ~200 scalar integer ops of the long division with an
-  # op XLA:CPU counts as expensive, so its fusion pass does not copy the whole
-  # division into every fusion that unscales a gradient: at 200 leaves that
-  # copying tripled the step's compile time (79k lines of optimized HLO against
-  # 37k; 3.1x the plain step's compile CPU time against 1.8x).
+  # float32). It ends the scalar integer ops of the long division with an op
+  # XLA:CPU counts as expensive, so its fusion pass does not copy the whole
+  # division into every fusion that unscales a gradient: on a many-leaf model
+  # that copying multiplied the optimized HLO and the step's compile time (the
+  # shipped step's compile ratio on the 200-leaf models:
+  # benchmarks/results/bench.md).
   inv = inv / (np.float32(1) + np.float32(0) * inv)
   return inv, shift
 
@@ -121,12 +122,13 @@ def combine_flags(flags) -> jax.Array:
   into its consumers. A plain ``jnp.all(jnp.stack(flags))`` is rewritten
   into a chain of scalar ``and``s that XLA copies into every fusion reading
   the flag (each ``jnp.where`` of a train step), which makes compilation
-  quadratic in the number of leaves (~100x the plain step's compile time at
-  200 leaves on CPU).
+  quadratic in the number of leaves (``tests/test_numerics.py`` checks that
+  the compiled step grows linearly; the compile times are in
+  ``benchmarks/results/bench.md``).
 
-  Measured alternatives: ``sum(x * 0)`` per leaf (NaN iff non-finite) is
-  faster alone but, inside a train step on CPU, its float reduction over a
-  matmul's output costs ~8x more than the boolean ``all(isfinite(x))``.
+  The alternative ``sum(x * 0)`` per leaf (NaN iff non-finite) is faster
+  alone but, inside a train step on CPU, its float reduction over a matmul's
+  output costs more than the boolean ``all(isfinite(x))``.
   """
   if len(flags) == 1:
     return flags[0]
