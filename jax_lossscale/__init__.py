@@ -29,6 +29,7 @@ from jax_lossscale._integrations._model_state import keep_if_skipped as keep_if_
 from jax_lossscale._scaler._accumulation import multi_steps as multi_steps
 from jax_lossscale._scaler._guard import LossScaleError as LossScaleError
 from jax_lossscale._scaler._guard import check_skips as check_skips
+from jax_lossscale._scaler._loss import scale_loss as scale_loss
 from jax_lossscale._scaler._metrics import metrics as metrics
 from jax_lossscale._scaler._numerics import all_finite as all_finite
 from jax_lossscale._scaler._numerics import fp16_roundtrip as fp16_roundtrip
@@ -45,7 +46,6 @@ from jax_lossscale._scaler._transform import LossScaleState as LossScaleState
 from jax_lossscale._scaler._transform import dynamic_loss_scale as dynamic_loss_scale
 from jax_lossscale._scaler._transform import get_inner_state as get_inner_state
 from jax_lossscale._scaler._transform import no_loss_scale as no_loss_scale
-from jax_lossscale._scaler._transform import scale_loss as scale_loss
 from jax_lossscale._scaler._transform import static_loss_scale as static_loss_scale
 
 #: The one version source (pyproject.toml reads it).

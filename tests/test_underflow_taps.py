@@ -158,3 +158,23 @@ def test_a_registered_lower_precision_op_is_tapped_under_its_name():
     "dot_product_attention",
   ]
   assert int(report.nonzero[next(a for a in acts if "dot_product_attention" in a)]) == 2 * 4 * 8
+
+
+def test_a_float32_tap_in_a_checkpointed_region_is_refused_as_outside_it():
+  # The walk for this mistake enters the regions JAX stages a function into: jit, and
+  # remat (JAX's `remat2`; the walk looked for `checkpoint`, a name no primitive has).
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  w = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+
+  def region(p, batch, dtype, taps):
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + taps["logits"]) * c)
+
+  for wrap in (jax.checkpoint, jax.jit):
+
+    def loss(p, batch, dtype, taps, wrap=wrap):
+      return wrap(lambda p, b, t: region(p, b, dtype, t))(p, batch, taps)
+
+    with pytest.raises(ValueError, match="the tap 'logits' is added in float32"):
+      check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})

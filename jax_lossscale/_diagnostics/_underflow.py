@@ -230,6 +230,11 @@ def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> 
   _walk_taps(closed.jaxpr, names, {})
 
 
+#: The primitives a function is staged into whole (jit, remat, the call primitives of jax
+#: 0.9-0.10 and eval_jaxpr from 0.11): the walk for a tap added in float32 enters them.
+_STAGED = ("jit", "remat2", "closed_call", "eval_jaxpr")
+
+
 def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None:
   from jax.extend.core import Var
 
@@ -253,9 +258,7 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
             "loss_fn (its taps take the dtype of the activation they meet)."
           )
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if (
-      name in ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint") and sub is not None
-    ):
+    if name in _STAGED and sub is not None:
       inner = getattr(sub, "jaxpr", sub)
       inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
       inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}

@@ -26,6 +26,8 @@ from jax_lossscale._scaler._fp8 import gradient_leaves
 from jax_lossscale._scaler._fp8 import join_variables
 from jax_lossscale._scaler._fp8 import map_gradients
 from jax_lossscale._scaler._fp8 import split_variables
+from jax_lossscale._scaler._loss import loss_and_aux
+from jax_lossscale._scaler._loss import scale_loss
 from jax_lossscale._scaler._numerics import all_finite
 from jax_lossscale._scaler._numerics import compute_dtype
 from jax_lossscale._scaler._numerics import is_float
@@ -43,8 +45,6 @@ from jax_lossscale._scaler._state import DATA_FIELDS
 from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import scale_states
-from jax_lossscale._scaler._transform import loss_and_aux
-from jax_lossscale._scaler._transform import scale_loss
 from jax_lossscale._typing import ArrayLike
 from jax_lossscale._typing import AxisName
 from jax_lossscale._typing import ScaleLike

@@ -18,6 +18,7 @@ import jax
 import optax
 
 from jax_lossscale._integrations._shared_scale import LossScaledModel
+from jax_lossscale._scaler._loss import loss_and_aux
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._retry import DEFAULT_MAX_RETRIES
 from jax_lossscale._scaler._retry import RetriedGrads
@@ -25,7 +26,6 @@ from jax_lossscale._scaler._retry import check_max_retries
 from jax_lossscale._scaler._retry import retry_loop
 from jax_lossscale._scaler._state import DATA_FIELDS
 from jax_lossscale._scaler._state import get_scale_state
-from jax_lossscale._scaler._transform import loss_and_aux
 
 
 def _wrappers(model: nnx.Module) -> list[LossScaledModel]:

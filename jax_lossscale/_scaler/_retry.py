@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import optax
 
 from jax_lossscale._scaler._fp8 import gradient_leaves
+from jax_lossscale._scaler._loss import loss_and_aux
+from jax_lossscale._scaler._loss import scale_loss
 from jax_lossscale._scaler._numerics import refuse_complex
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._rule import update_scale
@@ -47,8 +49,6 @@ from jax_lossscale._scaler._state import check_int
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._scaler._state import is_scale_state
 from jax_lossscale._scaler._state import scale_states
-from jax_lossscale._scaler._transform import loss_and_aux
-from jax_lossscale._scaler._transform import scale_loss
 from jax_lossscale._typing import AxisName
 from jax_lossscale._typing import ScaleSource
 
