@@ -79,7 +79,8 @@ MEMORY_FIELDS = (
 
 
 def memory(compiled) -> dict[str, int]:
-  """The byte counts of ``compiled.memory_analysis()`` (empty where unsupported)."""
+  """The byte counts of ``compiled.memory_analysis()`` (empty where unsupported; ``bench_large``
+  reads its own from these)."""
   try:
     analysis = compiled.memory_analysis()
   except Exception:
@@ -106,16 +107,27 @@ def compile_variant(name: str, model: bench_models.Model, params, x, y):
   return variant, compiled, state, t1 - t0, t2 - t1, c2 - c1
 
 
-def run_steps(compiled, state, x, y, k: int, cpu: list | None = None):
-  """``k`` steps: (state, wall seconds); the process's CPU seconds (all threads) are
-  appended to ``cpu`` if given: on a shared machine they count this process's work only."""
+def timed_steps(compiled, state, x, y, k: int):
+  """``k`` steps ending in a device sync: (state, last loss, wall seconds, CPU seconds).
+
+  The timing loop of every benchmark (``bench_large.py`` too). The CPU seconds
+  (``time.process_time``, all threads of the process) count this process's work only.
+  """
   t0, c0 = time.perf_counter(), time.process_time()
   for _ in range(k):
     state, loss = compiled(state, x, y)
   jax.block_until_ready((state, loss))
+  cpu = time.process_time() - c0
+  return state, loss, time.perf_counter() - t0, cpu
+
+
+def run_steps(compiled, state, x, y, k: int, cpu: list | None = None):
+  """``k`` steps: (state, wall seconds); the process's CPU seconds (all threads) are
+  appended to ``cpu`` if given: on a shared machine they count this process's work only."""
+  state, _, wall, cpu_s = timed_steps(compiled, state, x, y, k)
   if cpu is not None:
-    cpu.append(time.process_time() - c0)
-  return state, time.perf_counter() - t0
+    cpu.append(cpu_s)
+  return state, wall
 
 
 def bench_model(name: str, args) -> dict[str, Any]:

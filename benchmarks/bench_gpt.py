@@ -87,8 +87,9 @@ def make_batch(cfg: GPTConfig, seed: int = 1) -> tuple[jax.Array, jax.Array]:
   return jnp.asarray(tokens[:, :-1], jnp.int32), jnp.asarray(tokens[:, 1:], jnp.int32)
 
 
-def _layernorm(h, scale, bias, dtype):
-  """Statistics in float32; the output in ``dtype`` for the next matmul."""
+def layernorm(h, scale, bias, dtype):
+  """Statistics in float32; the output in ``dtype`` for the next matmul (every benchmark
+  model's LayerNorm: ``bench_models`` calls it too)."""
   h = h.astype(jnp.float32)
   mean = h.mean(-1, keepdims=True)
   var = jnp.square(h - mean).mean(-1, keepdims=True)
@@ -148,18 +149,18 @@ def loss_fn(params, x, y, cfg: GPTConfig, dtype=jnp.float16, attention: str | No
   h = embed[x] + params["pos"][:t]  # float32 residual stream
 
   def block(h, p):
-    a = _layernorm(h, p["ln1_scale"], p["ln1_bias"], dtype)
+    a = layernorm(h, p["ln1_scale"], p["ln1_bias"], dtype)
     qkv = a @ p["qkv_w"].astype(dtype) + p["qkv_b"].astype(dtype)
     q, k, v = jnp.split(qkv.reshape(b, t, 3, nh, d // nh), 3, axis=2)
     out = _attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], attention).reshape(b, t, d)
     h = h + (out @ p["proj_w"].astype(dtype) + p["proj_b"].astype(dtype)).astype(jnp.float32)
-    m = _layernorm(h, p["ln2_scale"], p["ln2_bias"], dtype)
+    m = layernorm(h, p["ln2_scale"], p["ln2_bias"], dtype)
     m = jax.nn.gelu(m @ p["fc1_w"].astype(dtype) + p["fc1_b"].astype(dtype), approximate=True)
     h = h + (m @ p["fc2_w"].astype(dtype) + p["fc2_b"].astype(dtype)).astype(jnp.float32)
     return h, None
 
   h, _ = jax.lax.scan(block, h, params["blocks"])
-  h = _layernorm(h, params["ln_f_scale"], params["ln_f_bias"], dtype)
+  h = layernorm(h, params["ln_f_scale"], params["ln_f_bias"], dtype)
   logits = (h @ embed.astype(dtype).T).astype(jnp.float32)  # the tied head
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 

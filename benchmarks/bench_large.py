@@ -51,40 +51,34 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 import traceback
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
 
+import bench
+import bench_gpt
+from bench_gpt import GPTConfig
+import bench_report
+import bench_variants
+from bench_variants import INIT_SCALE
+from bench_variants import LEARNING_RATE
+from bench_variants import WEIGHT_DECAY
+from bench_variants import adamw
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_lossscale as jls
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
-
-import bench_gpt  # noqa: E402
-from bench_gpt import GPTConfig  # noqa: E402
-import bench_report  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import jax_lossscale as jls  # noqa: E402
-
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.1
-INIT_SCALE = 2.0**16
 REFERENCE = "float16"
 T0 = time.perf_counter()
 
 
 def log(msg: str) -> None:
   print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def adamw():
-  return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
 
 
 class Built(NamedTuple):
@@ -110,96 +104,30 @@ def attention_of(hlo: str) -> str:
 
 def _scaled_variant(wrap, make_loss):
   """A variant maker: AdamW inside ``wrap`` (a jax_lossscale scaler), trained on the loss
-  ``make_loss()`` builds (the hand-cast model or autocast of the float32 one)."""
-
-  def make():
-    tx, f = wrap(adamw()), make_loss()
-
-    def step(state, x, y):
-      params, opt_state = state
-
-      def scaled(p):
-        value = f(p, x, y)
-        return jls.scale_loss(value, opt_state), value
-
-      grads, value = jax.grad(scaled, has_aux=True)(params)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return (optax.apply_updates(params, updates), opt_state), value
-
-    def notes(state):
-      s = jls.get_scale_state(state[1])
-      return {"scale": float(s.scale), "skipped_steps": int(s.skipped_steps)}
-
-    return (lambda p: (p, tx.init(p))), step, notes
-
-  return make
+  ``make_loss()`` builds (the hand-cast model or autocast of the float32 one); the step is
+  ``bench_variants.scaled_variant``'s."""
+  return lambda: bench_variants.scaled_variant(wrap(adamw()), make_loss())
 
 
 def _jax_steps(cfg: GPTConfig, attention: str) -> dict[str, tuple[str, Callable[[], Any]]]:
-  """name -> (label, make() -> (init(params) -> state, step(state, x, y) -> (state, loss)))."""
+  """name -> (label, make() -> (init(params) -> state, step(state, x, y) -> (state, loss),
+  notes(state))): ``bench_variants``' builders (a ``Variant``) on the GPT's loss, with AdamW."""
 
   def loss(dtype):
     att = "xla" if dtype == jnp.float32 else attention  # cuDNN attention is half-only
     return lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, dtype, att)
 
   def plain(dtype):
-    def make():
-      tx, f = adamw(), loss(dtype)
-
-      def step(state, x, y):
-        params, opt_state = state
-        value, grads = jax.value_and_grad(f)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
-
-      return (lambda p: (p, tx.init(p))), step, lambda s: {}
-
-    return make
+    return lambda: bench_variants.baseline(loss(dtype), adamw)
 
   def wrapped(dtype, wrap):
     return _scaled_variant(wrap, lambda: loss(dtype))
 
   def trainstate():
-    from jax_lossscale import flax as jls_flax
-
-    tx, f = adamw(), loss(jnp.float16)
-
-    def init(p):
-      return jls_flax.TrainState.create(
-        apply_fn=None,
-        params=p,
-        tx=tx,
-        dynamic_scale=jls.DynamicScaleState.create(init_scale=INIT_SCALE),
-      )
-
-    def step(state, x, y):
-      out = state.value_and_grad(f)(state.params, x, y)
-      return state.apply_gradients(grads=out.grads, finite=out.finite), out.value
-
-    return init, step, lambda s: {"scale": float(s.dynamic_scale.scale)}
+    return bench_variants.jls_trainstate(loss(jnp.float16), adamw)
 
   def flax_ds():
-    from flax.training import dynamic_scale as flax_dynamic_scale
-
-    tx, f = adamw(), loss(jnp.float16)
-
-    def init(p):
-      ds = flax_dynamic_scale.DynamicScale(
-        scale=jnp.asarray(INIT_SCALE, jnp.float32), fin_steps=jnp.zeros([], jnp.int32)
-      )
-      return (p, tx.init(p), ds)
-
-    def step(state, x, y):
-      params, opt_state, ds = state
-      ds, is_fin, value, grads = ds.value_and_grad(f)(params, x, y)
-      updates, new_opt_state = tx.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      select = lambda a, b: jnp.where(is_fin, a, b)
-      new_opt_state = jax.tree_util.tree_map(select, new_opt_state, opt_state)
-      new_params = jax.tree_util.tree_map(select, new_params, params)
-      return (new_params, new_opt_state, ds), value
-
-    return init, step, lambda s: {"scale": float(s[2].scale)}
+    return bench_variants.flax_dynamic_scale(loss(jnp.float16), adamw)
 
   dls = lambda tx: jls.dynamic_loss_scale(tx, init_scale=INIT_SCALE)
   return {
@@ -250,14 +178,11 @@ def autocast_variants(
 
 
 def _memory(compiled) -> dict[str, Any]:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # not every backend has it
-    return {}
-  if m is None:
+  m = bench.memory(compiled)  # empty where the backend has no memory_analysis()
+  if not m:
     return {}
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
-  out = {f: int(getattr(m, f, 0)) for f in fields + ("temp_size_in_bytes",)}
+  out = {f: m.get(f, 0) for f in fields + ("temp_size_in_bytes",)}
   out["compiled_peak_bytes"] = (
     out["argument_size_in_bytes"]
     + out["output_size_in_bytes"]
@@ -285,13 +210,8 @@ def build_jax(make, params, x, y, warmup: int) -> Built:
   holder = {"state": state}
 
   def run(k):
-    state = holder["state"]
-    t0 = time.perf_counter()
-    for _ in range(k):
-      state, value = compiled(state, x, y)
-    jax.block_until_ready((state, value))
-    holder["state"] = state
-    return time.perf_counter() - t0, float(value)
+    holder["state"], value, seconds, _ = bench.timed_steps(compiled, holder["state"], x, y, k)
+    return seconds, float(value)
 
   run(warmup)
   memory["process_peak_bytes_after_warmup"] = _device_peak()

@@ -33,6 +33,7 @@ from typing import Callable
 from typing import NamedTuple
 
 import bench_gpt
+import bench_variants
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,12 +153,9 @@ def lm_make_batch(seed: int = 1, **cfg) -> tuple[jax.Array, jax.Array]:
 
 
 def _layernorm(h, p, dtype=COMPUTE):
-  """Statistics in float32, output in float16 for the next matmul."""
-  h = h.astype(jnp.float32)
-  mean = h.mean(-1, keepdims=True)
-  var = jnp.square(h - mean).mean(-1, keepdims=True)
-  out = (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
-  return out.astype(dtype)
+  """``bench_gpt.layernorm`` of a ``{"scale", "bias"}`` dict: statistics in float32, output
+  in ``dtype`` for the next matmul."""
+  return bench_gpt.layernorm(h, p["scale"], p["bias"], dtype)
 
 
 def _matmul(h, w, dtype=COMPUTE):
@@ -232,7 +230,7 @@ def gpt(name: str, label: str, cfg: bench_gpt.GPTConfig) -> Model:
     make_batch=lambda seed=1: bench_gpt.make_batch(cfg, seed),
     loss_fn=lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, COMPUTE),
     config={"gpt": cfg._asdict(), "batch": cfg.batch, "optimizer": "adamw"},
-    make_tx=lambda: optax.adamw(1e-4, weight_decay=0.1),
+    make_tx=bench_variants.adamw,
     plain_loss_fn=lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jnp.float32),
   )
 

@@ -24,6 +24,7 @@ import optax
 import jax_lossscale as jls
 
 LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1  # AdamW's (the GPT's), as GPT-2 training recipes
 INIT_SCALE = 2.0**16
 STATIC_SCALE = 2.0**10  # optax.apply_if_finite: a static scale that never overflows here
 
@@ -85,8 +86,9 @@ def adam() -> optax.GradientTransformation:
 
 
 def adamw() -> optax.GradientTransformation:
-  """The GPT's optimizer: AdamW (weight decay 0.1, as GPT-2 training recipes)."""
-  return optax.adamw(LEARNING_RATE, weight_decay=0.1)
+  """The GPT's optimizer (``bench_models``' ``gpt``, ``bench_large.py``, the GPU plan): AdamW
+  (weight decay 0.1, as GPT-2 training recipes)."""
+  return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
 
 
 def make_variant(
@@ -140,9 +142,9 @@ def baseline(loss_fn, make_tx):
   return Variant(lambda p: (p, tx.init(p)), step, lambda s: {})
 
 
-@variant("jax_lossscale", "jax_lossscale.dynamic_loss_scale")
-def jax_lossscale(loss_fn, make_tx):
-  stx = jls.dynamic_loss_scale(make_tx(), init_scale=INIT_SCALE)
+def scaled_variant(stx, loss_fn) -> Variant:
+  """The step of ``loss_fn`` with the scaler ``stx`` (``jls.dynamic_loss_scale`` or
+  ``jls.no_loss_scale`` of an optimizer): ``jls.scale_loss``, ``jax.grad``, ``stx.update``."""
 
   def step(state, x, y):
     params, opt_state = state
@@ -153,6 +155,11 @@ def jax_lossscale(loss_fn, make_tx):
   return Variant(
     lambda p: (p, stx.init(p)), step, lambda s: _scale_notes(jls.get_scale_state(s[1]))
   )
+
+
+@variant("jax_lossscale", "jax_lossscale.dynamic_loss_scale")
+def jax_lossscale(loss_fn, make_tx):
+  return scaled_variant(jls.dynamic_loss_scale(make_tx(), init_scale=INIT_SCALE), loss_fn)
 
 
 @variant("jls_retry", "jax_lossscale.retry_on_overflow (max_retries=3) + dynamic_loss_scale")

@@ -26,19 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+import bench_gpt
+import bench_large
+import bench_report
+import bench_variants
+import gpu_plan
+import jax
 
-import bench_gpt  # noqa: E402
-import bench_large  # noqa: E402
-import bench_report  # noqa: E402
-import gpu_plan  # noqa: E402
-import jax  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 #: The variants per target: the V100 has no bfloat16 tensor cores (float16 is its half).
 VARIANTS = {
@@ -85,7 +83,7 @@ def _retry_variant(cfg, attention: str):
 
     import jax_lossscale as jls
 
-    tx = jls.dynamic_loss_scale(bench_large.adamw(), init_scale=bench_large.INIT_SCALE)
+    tx = jls.dynamic_loss_scale(bench_variants.adamw(), init_scale=bench_variants.INIT_SCALE)
     f = lambda p, x, y: bench_gpt.loss_fn(p, x, y, cfg, jax.numpy.float16, attention)
 
     def step(state, x, y):

@@ -16,14 +16,25 @@ before any test module, and so before this one, is imported).
 * :func:`make_nnx_optimizer`, :func:`nnx_update`: ``nnx.Optimizer`` built and stepped
   the same way on every Flax version the package supports.
 * :func:`bits`, :func:`assert_bits_equal`: every leaf as its raw bits, and two trees
-  compared bit for bit (NaN payloads and -0.0 included).
+  compared bit for bit (NaN payloads and -0.0 included; optionally their tree structure
+  and dtypes too).
+* :data:`ROOT`, :func:`python_blocks`: the repository, and the ``python`` blocks of a
+  markdown page (the docs' code, run by ``tests/test_docs.py`` and the guides' tests).
 * :func:`load_benchmark_module`: a module of ``benchmarks/`` (with that folder on
   ``sys.path``, as its scripts run), for code that lives beside its benchmark.
+* :func:`rand`, :func:`transformer_params`, :func:`transformer_layers`,
+  :func:`transformer_tokens`, :data:`TORCH_CUDA_LAYER_DTYPES`: a one-block decoder that
+  returns every layer's output, and each layer's dtype under CUDA ``torch.autocast``
+  (``tests/test_autocast.py``, ``tests/test_autocast_torch.py``).
+* :data:`DEVIATIONS`: the autocast zoo's cases where autocast deliberately differs from
+  torch (``tests/test_autocast_zoo.py``, ``tests/test_autocast_guide.py``).
 """
 
 import importlib
 import inspect
 import os
+import pathlib
+import re
 import sys
 import time
 
@@ -32,9 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+#: The repository's root.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHMARKS_DIR = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"
 )
+
+_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+  """(line number, code) of each ```` ```python ```` block of a markdown text."""
+  return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _FENCE.finditer(text)]
 
 
 def load_benchmark_module(name: str):
@@ -51,12 +71,21 @@ def bits(tree):
   ]
 
 
-def assert_bits_equal(a, b):
-  """``a`` and ``b`` have as many leaves, each the same bits."""
-  la, lb = bits(a), bits(b)
+def assert_bits_equal(a, b, *, structure=False, dtypes=False):
+  """``a`` and ``b`` have as many leaves, each of the same shape, itemsize and bits.
+
+  ``structure=True``: the same tree structure too; ``dtypes=True``: each pair of leaves of
+  the same dtype too (else float16 and bfloat16 leaves of the same bits are equal).
+  """
+  if structure:
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
   assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
+  if dtypes:
+    for x, y in zip(la, lb):
+      assert np.asarray(x).dtype == np.asarray(y).dtype
+  for x, y in zip(bits(la), bits(lb)):
+    np.testing.assert_array_equal(x, y, strict=True)
 
 
 def make_nnx_optimizer(model, tx):
@@ -181,3 +210,133 @@ def calibrated_iterations(x, seconds=1.0):
   _slow_batch(x, n).block_until_ready()
   dt = max(time.perf_counter() - t0, 1e-4)
   return int(min(max(n * seconds / dt, 64), 1_000_000))
+
+
+# -- the one-block decoder of tests/test_autocast.py and tests/test_autocast_torch.py ------
+
+_F16, _F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def rand(key, shape, scale=1.0):
+  """float32 ``scale * N(0, 1)`` of ``shape`` from ``jax.random.key(key)``."""
+  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _layer_norm(x, g, b, eps=1e-5):
+  mean = jnp.mean(x, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def _cross_entropy(logits, labels):
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+
+def transformer_params(d=8, v=11, seed=0):
+  """The params of :func:`transformer_layers` (float32, from keys ``seed``, ``seed + 1``, ...)."""
+  keys = iter(range(seed, seed + 100))
+  return {
+    "emb": rand(next(keys), (v, d)),
+    "ln1_g": jnp.ones(d),
+    "ln1_b": jnp.zeros(d),
+    "wqkv": rand(next(keys), (d, 3 * d), d**-0.5),
+    "bqkv": rand(next(keys), (3 * d,), 0.1),
+    "wo": rand(next(keys), (d, d), d**-0.5),
+    "bo": rand(next(keys), (d,), 0.1),
+    "ln2_g": jnp.ones(d),
+    "ln2_b": jnp.zeros(d),
+    "w1": rand(next(keys), (d, 4 * d), d**-0.5),
+    "b1": rand(next(keys), (4 * d,), 0.1),
+    "w2": rand(next(keys), (4 * d, d), (4 * d) ** -0.5),
+    "b2": rand(next(keys), (d,), 0.1),
+    "wout": rand(next(keys), (d, v), d**-0.5),
+  }
+
+
+def transformer_layers(p, tokens, labels, approximate_gelu=False):
+  """A one-block decoder; returns every layer's output, by name."""
+  out = {}
+  x = out["embedding"] = p["emb"][tokens]
+  h = out["ln1"] = _layer_norm(x, p["ln1_g"], p["ln1_b"])
+  qkv = out["qkv_linear"] = h @ p["wqkv"] + p["bqkv"]
+  q, k, v = jnp.split(qkv, 3, axis=-1)
+  s = out["scores_matmul"] = jnp.einsum("td,sd->ts", q, k) / np.sqrt(q.shape[-1])
+  mask = jnp.tril(jnp.ones(s.shape, dtype=bool))
+  s = jnp.where(mask, s, -1e4)
+  a = out["softmax"] = jax.nn.softmax(s, axis=-1)
+  o = out["attn_matmul"] = a @ v
+  o = out["out_linear"] = o @ p["wo"] + p["bo"]
+  x = out["residual1"] = x + o
+  h = out["ln2"] = _layer_norm(x, p["ln2_g"], p["ln2_b"])
+  m = out["fc1_linear"] = h @ p["w1"] + p["b1"]
+  m = out["gelu"] = jax.nn.gelu(m, approximate=approximate_gelu)
+  m = out["fc2_linear"] = m @ p["w2"] + p["b2"]
+  x = out["residual2"] = x + m
+  logits = out["logits_linear"] = x @ p["wout"]
+  out["cross_entropy"] = _cross_entropy(logits, labels)
+  return out
+
+
+#: The output dtype of each layer under torch.autocast("cuda", torch.float16), from
+#: the lists of aten/src/ATen/autocast_mode.h (torch 2.13.0, commit cf30153c4c13).
+TORCH_CUDA_LAYER_DTYPES = {
+  "embedding": _F32,  # embedding: in no list, float32 weight -> float32
+  "ln1": _F32,  # fp32: layer_norm
+  "qkv_linear": _F16,  # lower_precision_fp: linear
+  "scores_matmul": _F16,  # lower_precision_fp: matmul (/ a Python scalar keeps it)
+  "softmax": _F32,  # fp32_set_opt_dtype: softmax
+  "attn_matmul": _F16,  # lower_precision_fp: matmul
+  "out_linear": _F16,  # lower_precision_fp: linear
+  "residual1": _F32,  # add: float32 + float16 promotes
+  "ln2": _F32,  # fp32: layer_norm
+  "fc1_linear": _F16,  # lower_precision_fp: linear
+  "gelu": _F16,  # gelu: in no list, float16 in -> float16
+  "fc2_linear": _F16,  # lower_precision_fp: linear
+  "residual2": _F32,  # add: promotes
+  "logits_linear": _F16,  # lower_precision_fp: linear (no bias)
+  "cross_entropy": _F32,  # fp32: nll_loss, fp32_set_opt_dtype: log_softmax
+}
+
+
+def transformer_tokens(t=6, v=11):
+  """Tokens and next-token labels for :func:`transformer_layers`."""
+  tokens = jnp.arange(t, dtype=jnp.int32) % v
+  return tokens, (tokens + 1) % v
+
+
+# -- the autocast zoo (tests/test_autocast_zoo.py) ---------------------------------------
+
+#: Where autocast deliberately differs from torch, each stated in docs/guides/autocast.md
+#: (``tests/test_autocast_zoo.py``'s cases, checked there and in ``test_autocast_guide.py``):
+#: case -> (autocast's dtype for the outputs that differ, why, the guide's words).
+DEVIATIONS: dict[str, tuple[dict[str, np.dtype], str, str]] = {
+  "mean": (
+    {"y": _F32},
+    "jnp.mean is reduce_sum (torch's sum: fp32_set_opt_dtype) then div",
+    "`jnp.mean` is float32 (`reduce_sum` then `div`); `torch.mean` is float16.",
+  ),
+  "eqx_linear_unbatched": (
+    {"y": _F32},
+    "W @ x + b on a vector adds a bias of the output's own rank, which the bias rule "
+    "does not take for a bias",
+    "An unbatched `equinox.nn.Linear` (`W @ x + b` with `x` a vector) adds a bias of the "
+    "output's own rank: it promotes.",
+  ),
+  "fori_loop": (
+    {"y": _F32},
+    "a loop carry is cast back to its declared dtype (float32) at each step boundary",
+    "A `while` or `scan` carry keeps its declared dtype",
+  ),
+  "while_bias": (
+    {"y": _F32},
+    "a loop carry is cast back to its declared dtype (float32) at each step boundary",
+    "A `while` or `scan` carry keeps its declared dtype",
+  ),
+  "scan_bias": (
+    {"carry": _F32},
+    "a loop carry is cast back to its declared dtype (float32); the per-step outputs keep "
+    "the body's float16",
+    "A `while` or `scan` carry keeps its declared dtype",
+  ),
+}

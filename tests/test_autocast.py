@@ -3,6 +3,12 @@
 import functools
 
 from conftest import import_optional
+from helpers import TORCH_CUDA_LAYER_DTYPES
+from helpers import assert_bits_equal
+from helpers import rand as _rand
+from helpers import transformer_layers
+from helpers import transformer_params
+from helpers import transformer_tokens as _tokens
 import jax
 from jax import lax
 import jax.extend.core as jex
@@ -53,14 +59,6 @@ def _operand_dtypes(fun, *args, name):
     tuple(np.dtype(v.aval.dtype) for v in e.invars if hasattr(v.aval, "dtype"))
     for e in _eqns_of(fun, *args, name=name)
   ]
-
-
-def _rand(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
-
-
-def _bits(tree):
-  return [(str(np.asarray(x).dtype), np.asarray(x).tobytes()) for x in jax.tree.leaves(tree)]
 
 
 # -- the policy, primitive by primitive ------------------------------------------------
@@ -192,7 +190,7 @@ def test_bias_add_is_part_of_the_matmul_but_a_residual_promotes():
   by_hand = jax.jit(
     lambda x, w, b: x.astype(jnp.float16) @ w.astype(jnp.float16) + b.astype(jnp.float16)
   )
-  assert _bits(jax.jit(autocast(dense))(x, w, b)) == _bits(by_hand(x, w, b))
+  assert_bits_equal(jax.jit(autocast(dense))(x, w, b), by_hand(x, w, b), dtypes=True)
 
 
 def test_a_centred_activation_is_not_a_bias():
@@ -226,87 +224,6 @@ def test_equinox_linear_under_vmap_returns_float16():
 
 
 # -- layers: MLP and transformer block in plain JAX, Flax linen, Equinox -------------
-
-
-def _layer_norm(x, g, b, eps=1e-5):
-  mean = jnp.mean(x, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-  return (x - mean) * lax.rsqrt(var + eps) * g + b
-
-
-def _cross_entropy(logits, labels):
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
-
-
-def transformer_params(d=8, v=11, seed=0):
-  keys = iter(range(seed, seed + 100))
-  return {
-    "emb": _rand(next(keys), (v, d)),
-    "ln1_g": jnp.ones(d),
-    "ln1_b": jnp.zeros(d),
-    "wqkv": _rand(next(keys), (d, 3 * d), d**-0.5),
-    "bqkv": _rand(next(keys), (3 * d,), 0.1),
-    "wo": _rand(next(keys), (d, d), d**-0.5),
-    "bo": _rand(next(keys), (d,), 0.1),
-    "ln2_g": jnp.ones(d),
-    "ln2_b": jnp.zeros(d),
-    "w1": _rand(next(keys), (d, 4 * d), d**-0.5),
-    "b1": _rand(next(keys), (4 * d,), 0.1),
-    "w2": _rand(next(keys), (4 * d, d), (4 * d) ** -0.5),
-    "b2": _rand(next(keys), (d,), 0.1),
-    "wout": _rand(next(keys), (d, v), d**-0.5),
-  }
-
-
-def transformer_layers(p, tokens, labels, approximate_gelu=False):
-  """A one-block decoder; returns every layer's output, by name."""
-  out = {}
-  x = out["embedding"] = p["emb"][tokens]
-  h = out["ln1"] = _layer_norm(x, p["ln1_g"], p["ln1_b"])
-  qkv = out["qkv_linear"] = h @ p["wqkv"] + p["bqkv"]
-  q, k, v = jnp.split(qkv, 3, axis=-1)
-  s = out["scores_matmul"] = jnp.einsum("td,sd->ts", q, k) / np.sqrt(q.shape[-1])
-  mask = jnp.tril(jnp.ones(s.shape, dtype=bool))
-  s = jnp.where(mask, s, -1e4)
-  a = out["softmax"] = jax.nn.softmax(s, axis=-1)
-  o = out["attn_matmul"] = a @ v
-  o = out["out_linear"] = o @ p["wo"] + p["bo"]
-  x = out["residual1"] = x + o
-  h = out["ln2"] = _layer_norm(x, p["ln2_g"], p["ln2_b"])
-  m = out["fc1_linear"] = h @ p["w1"] + p["b1"]
-  m = out["gelu"] = jax.nn.gelu(m, approximate=approximate_gelu)
-  m = out["fc2_linear"] = m @ p["w2"] + p["b2"]
-  x = out["residual2"] = x + m
-  logits = out["logits_linear"] = x @ p["wout"]
-  out["cross_entropy"] = _cross_entropy(logits, labels)
-  return out
-
-
-#: The output dtype of each layer under torch.autocast("cuda", torch.float16), from
-#: the lists of aten/src/ATen/autocast_mode.h (torch 2.13.0, commit cf30153c4c13).
-TORCH_CUDA_LAYER_DTYPES = {
-  "embedding": F32,  # embedding: in no list, float32 weight -> float32
-  "ln1": F32,  # fp32: layer_norm
-  "qkv_linear": F16,  # lower_precision_fp: linear
-  "scores_matmul": F16,  # lower_precision_fp: matmul (/ a Python scalar keeps it)
-  "softmax": F32,  # fp32_set_opt_dtype: softmax
-  "attn_matmul": F16,  # lower_precision_fp: matmul
-  "out_linear": F16,  # lower_precision_fp: linear
-  "residual1": F32,  # add: float32 + float16 promotes
-  "ln2": F32,  # fp32: layer_norm
-  "fc1_linear": F16,  # lower_precision_fp: linear
-  "gelu": F16,  # gelu: in no list, float16 in -> float16
-  "fc2_linear": F16,  # lower_precision_fp: linear
-  "residual2": F32,  # add: promotes
-  "logits_linear": F16,  # lower_precision_fp: linear (no bias)
-  "cross_entropy": F32,  # fp32: nll_loss, fp32_set_opt_dtype: log_softmax
-}
-
-
-def _tokens(t=6, v=11):
-  tokens = jnp.arange(t, dtype=jnp.int32) % v
-  return tokens, (tokens + 1) % v
 
 
 def test_transformer_layer_dtypes_match_torch_cuda():
@@ -459,9 +376,9 @@ def test_float32_dtype_is_the_identity_bit_for_bit():
 
   ref_v, ref_g = jax.jit(jax.value_and_grad(loss))(p)
   v, g = jax.jit(jax.value_and_grad(autocast(loss, dtype=jnp.float32)))(p)
-  assert _bits((v, g)) == _bits((ref_v, ref_g))
+  assert_bits_equal((v, g), (ref_v, ref_g), dtypes=True)
   layers = autocast(transformer_layers, dtype=jnp.float32)(p, tokens, labels)
-  assert _bits(layers) == _bits(jax.jit(transformer_layers)(p, tokens, labels))
+  assert_bits_equal(layers, jax.jit(transformer_layers)(p, tokens, labels), dtypes=True)
   # No cast added: the only converts are the function's own.
   n_own = len(_eqns_of(loss, p, name="convert_element_type"))
   assert len(_eqns_of(autocast(loss, dtype=jnp.float32), p, name="convert_element_type")) == n_own
@@ -492,7 +409,7 @@ def test_autocast_is_bit_identical_to_the_same_casts_by_hand():
   got = jax.jit(autocast(model))(x, w1, b1, w2)
   want = jax.jit(by_hand)(x, w1, b1, w2)
   assert got.dtype == want.dtype == F32
-  assert _bits(got) == _bits(want)
+  assert_bits_equal(got, want, dtypes=True)
 
 
 # -- jit, vmap, recompilation -------------------------------------------------------
@@ -537,7 +454,7 @@ def test_vmap_of_autocast_and_autocast_of_vmap_agree():
   a = jax.vmap(autocast(f), in_axes=(0, None))(x, w)
   b = autocast(jax.vmap(f, in_axes=(0, None)))(x, w)
   assert [t.dtype for t in a] == [t.dtype for t in b] == [F32, F16]
-  assert _bits(jax.jit(lambda: a)()) == _bits(b)
+  assert_bits_equal(jax.jit(lambda: a)(), b, dtypes=True)
 
 
 # -- higher-order primitives ------------------------------------------------------------

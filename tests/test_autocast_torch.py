@@ -19,15 +19,15 @@ used, 1e-2 absolute plus 1e-2 relative, is 2.5 such ulps.
 import math
 
 from conftest import import_torch
+from helpers import TORCH_CUDA_LAYER_DTYPES
+from helpers import rand as _rand
+from helpers import transformer_layers
+from helpers import transformer_params
+from helpers import transformer_tokens as _tokens
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_autocast import TORCH_CUDA_LAYER_DTYPES
-from test_autocast import _rand
-from test_autocast import _tokens
-from test_autocast import transformer_layers
-from test_autocast import transformer_params
 
 from jax_lossscale._autocast import autocast
 

@@ -36,6 +36,7 @@ import warnings
 
 from conftest import import_optional
 from conftest import import_torch
+from helpers import DEVIATIONS
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -957,39 +958,6 @@ TORCH_CUDA_ZOO: dict[str, tuple[str, dict[str, np.dtype]]] = {
   ),
   "jit_bias": (_LINEAR, {"inside": F16, "outside": F16}),  # jax.jit: no torch op
   "cond_bias": ("F.linear(x, w, b) if pred else F.linear(torch.tanh(x), w, b)", {"y": F16}),
-}
-
-#: Where autocast deliberately differs from torch, each stated in docs/guides/autocast.md:
-#: case -> (autocast's dtype for the outputs that differ, why, the guide's words).
-DEVIATIONS: dict[str, tuple[dict[str, np.dtype], str, str]] = {
-  "mean": (
-    {"y": F32},
-    "jnp.mean is reduce_sum (torch's sum: fp32_set_opt_dtype) then div",
-    "`jnp.mean` is float32 (`reduce_sum` then `div`); `torch.mean` is float16.",
-  ),
-  "eqx_linear_unbatched": (
-    {"y": F32},
-    "W @ x + b on a vector adds a bias of the output's own rank, which the bias rule "
-    "does not take for a bias",
-    "An unbatched `equinox.nn.Linear` (`W @ x + b` with `x` a vector) adds a bias of the "
-    "output's own rank: it promotes.",
-  ),
-  "fori_loop": (
-    {"y": F32},
-    "a loop carry is cast back to its declared dtype (float32) at each step boundary",
-    "A `while` or `scan` carry keeps its declared dtype",
-  ),
-  "while_bias": (
-    {"y": F32},
-    "a loop carry is cast back to its declared dtype (float32) at each step boundary",
-    "A `while` or `scan` carry keeps its declared dtype",
-  ),
-  "scan_bias": (
-    {"carry": F32},
-    "a loop carry is cast back to its declared dtype (float32); the per-step outputs keep "
-    "the body's float16",
-    "A `while` or `scan` carry keeps its declared dtype",
-  ),
 }
 
 

@@ -1,6 +1,7 @@
 """Equinox: filter_value_and_grad of a scaled loss, filtered params, skip bit for bit."""
 
 import equinox as eqx
+from helpers import assert_bits_equal
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
@@ -29,23 +30,9 @@ def _loss(model, x, y):
   return jnp.mean(jnp.square(pred - y))
 
 
-def _bits(tree):
-  out = []
-  for a in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array)):
-    a = np.asarray(a)
-    out.append(
-      a.view(
-        np.uint16 if a.dtype.itemsize == 2 else np.uint32 if a.dtype.itemsize == 4 else np.uint8
-      )
-    )
-  return out
-
-
 def _assert_bit_identical(a, b):
-  ba, bb = _bits(a), _bits(b)
-  assert len(ba) == len(bb)
-  for x, y in zip(ba, bb):
-    np.testing.assert_array_equal(x, y)
+  """The arrays of ``a`` and ``b`` (a module's other leaves left out), bit for bit."""
+  assert_bits_equal(eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array))
 
 
 def _step_fn(tx):

@@ -3,6 +3,7 @@
 from flax import struct
 import flax.linen as nn
 from flax.training import train_state
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -14,15 +15,6 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState
 from jax_lossscale.flax import value_and_grad
-
-
-def _bits_equal(a, b):
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(la, lb):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
 
 
 def _close(a, b, rtol=1e-6):
@@ -60,9 +52,9 @@ def test_value_and_grad_matches_unscaled_gradients(maybe_jit):
   out = maybe_jit(value_and_grad(loss_fn, ds, has_aux=True))(w, x)
   (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_fn, has_aux=True)(w, x)
   # The scale is a power of two: unscaled gradients equal the true ones bit for bit.
-  _bits_equal(out.grads, ref_grads)
-  _bits_equal(out.value, ref_loss)  # the loss, not loss * scale
-  _bits_equal(out.aux, ref_aux)  # aux is never scaled
+  assert_bits_equal(out.grads, ref_grads, structure=True, dtypes=True)
+  assert_bits_equal(out.value, ref_loss, structure=True, dtypes=True)  # the loss, not loss * scale
+  assert_bits_equal(out.aux, ref_aux, structure=True, dtypes=True)  # aux is never scaled
   assert out.finite.dtype == jnp.bool_ and bool(out.finite)
 
 
@@ -208,11 +200,11 @@ def test_trainstate_skipped_step_is_bit_identical():
     bad_x = x.at[3, 2].set(jnp.nan)
     new, loss = step(state, bad_x, y)
   assert not np.isfinite(float(loss))
-  _bits_equal(new.params, state.params)
-  _bits_equal(new.opt_state, state.opt_state)
-  _bits_equal(new.step, state.step)
+  assert_bits_equal(new.params, state.params, structure=True, dtypes=True)
+  assert_bits_equal(new.opt_state, state.opt_state, structure=True, dtypes=True)
+  assert_bits_equal(new.step, state.step, structure=True, dtypes=True)
   expected = jls.update_scale(state.dynamic_scale, False)
-  _bits_equal(new.dynamic_scale, expected)
+  assert_bits_equal(new.dynamic_scale, expected, structure=True, dtypes=True)
   assert float(new.dynamic_scale.scale) == 2.0**9
   m = jls.metrics(new)
   assert bool(m["last_step_skipped"]) and int(m["skipped_steps"]) == 1
@@ -222,7 +214,7 @@ def test_trainstate_computes_finite_when_not_given():
   state = _linen_state(optax.sgd(0.1))
   bad = jax.tree_util.tree_map(lambda p: jnp.full_like(p, jnp.inf), state.params)
   new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, bad)
-  _bits_equal(new.params, state.params)
+  assert_bits_equal(new.params, state.params, structure=True, dtypes=True)
   assert int(new.step) == 0 and int(new.dynamic_scale.skipped_steps) == 1
 
 
@@ -254,7 +246,7 @@ def test_trainstate_half_precision_params_keep_dtype():
   step = jax.jit(_train_step)
   before = state
   state, _ = step(state, x, y)  # 2**24 overflows the float16 backward pass
-  _bits_equal(state.params, before.params)
+  assert_bits_equal(state.params, before.params, structure=True, dtypes=True)
   assert float(state.dynamic_scale.scale) == 2.0**23
   for _ in range(12):
     state, _ = step(state, x, y)
@@ -292,8 +284,10 @@ def test_stock_trainstate_with_dynamic_loss_scale(maybe_jit):
   _close(new.params, ref)
   assert int(jls.metrics(new)["growth_tracker"]) == 1
   skipped, _ = step(new, x.at[1, 1].set(jnp.inf), y)
-  _bits_equal(skipped.params, new.params)
-  _bits_equal(skipped.opt_state.inner_state, new.opt_state.inner_state)
+  assert_bits_equal(skipped.params, new.params, structure=True, dtypes=True)
+  assert_bits_equal(
+    skipped.opt_state.inner_state, new.opt_state.inner_state, structure=True, dtypes=True
+  )
   assert float(jls.get_scale_state(skipped).scale) == 2.0**9
   # Flax's own ``step`` counts calls; the optimizer's state did not advance.
   assert int(skipped.step) == 2

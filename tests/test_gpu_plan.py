@@ -22,11 +22,10 @@ where it is missing); elsewhere these tests skip without it.
 
 import functools
 import inspect
-import os
 import re
-import sys
 
 from helpers import import_optional
+from helpers import load_benchmark_module
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
@@ -37,12 +36,10 @@ import jax_lossscale as jls
 
 import_optional("jax_plugins.xla_cuda12")
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-if _BENCH not in sys.path:
-  sys.path.insert(0, _BENCH)
-import bench_gpt  # noqa: E402
-import bench_large  # noqa: E402
-import gpu_plan  # noqa: E402
+bench_gpt = load_benchmark_module("bench_gpt")
+bench_large = load_benchmark_module("bench_large")
+bench_variants = load_benchmark_module("bench_variants")
+gpu_plan = load_benchmark_module("gpu_plan")
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +86,9 @@ def _nnx_step(scaled):
     def __init__(self, params):
       self.p = nnx.data(jax.tree_util.tree_map(nnx.Param, params))
 
-  tx = bench_large.adamw()
+  tx = bench_variants.adamw()
   if scaled:
-    tx = jls.dynamic_loss_scale(tx, init_scale=bench_large.INIT_SCALE)
+    tx = jls.dynamic_loss_scale(tx, init_scale=bench_variants.INIT_SCALE)
   loss = lambda p, x, y: bench_gpt.loss_fn(p, x, y, CFG, jnp.float16, "xla")
 
   def make(params):
@@ -124,9 +121,9 @@ def _nnx_step(scaled):
 
 def _multi_steps_step(scaled):
   """AdamW under ``optax.MultiSteps`` (2 micro-steps), or ``jls.multi_steps`` of the scaler."""
-  adamw = bench_large.adamw()
+  adamw = bench_variants.adamw()
   if scaled:
-    tx = jls.multi_steps(jls.dynamic_loss_scale(adamw, init_scale=bench_large.INIT_SCALE), 2)
+    tx = jls.multi_steps(jls.dynamic_loss_scale(adamw, init_scale=bench_variants.INIT_SCALE), 2)
   else:
     tx = optax.MultiSteps(adamw, 2)
   loss = lambda p, x, y: bench_gpt.loss_fn(p, x, y, CFG, jnp.float16, "xla")

@@ -14,6 +14,8 @@ params; the errors; a GRPO-shaped RL update retried at a lower scale instead of 
 import contextlib
 
 from flax import nnx
+from helpers import ROOT
+from helpers import python_blocks
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
@@ -477,8 +479,6 @@ def test_tunix_peft_trainer_in_float16():
   same float16 fine-tune, its skips recorded, against tunix's float32 run fed the batches the
   float16 run applied: the losses agree on every applied step."""
   pytest.importorskip("tunix", reason="google-tunix is not installed")
-  from test_docs import ROOT
-  from test_docs import python_blocks
   from tunix.sft import peft_trainer
 
   page = ROOT / "docs" / "guides" / "loop-you-do-not-own.md"

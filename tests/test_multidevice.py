@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import warnings
 
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -143,15 +144,6 @@ def reference():
   return params, opt_state, trajectory
 
 
-def _bits(tree):
-  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bit_identical(a, b):
-  for x, y in zip(_bits(a), _bits(b), strict=True):
-    np.testing.assert_array_equal(x, y)
-
-
 def _assert_same_on_every_device(tree):
   for leaf in jax.tree_util.tree_leaves(tree):
     assert leaf.sharding.is_fully_replicated
@@ -194,8 +186,8 @@ def test_jit_named_sharding_matches_single_device(reference, layout, axis_type):
       _assert_same_on_every_device(opt_state.loss_scale)
       trajectory.append(_scale_fields(opt_state.loss_scale))
   assert trajectory == ref_trajectory
-  _assert_bit_identical(params, ref_params)
-  _assert_bit_identical(opt_state, ref_state)
+  assert_bits_equal(params, ref_params)
+  assert_bits_equal(opt_state, ref_state)
   assert params["w"].sharding.is_equivalent_to(param_sharding, 2)
   momentum = jax.tree_util.tree_leaves(opt_state.inner_state)[0]
   assert momentum.shape == (D, K) and momentum.sharding.is_equivalent_to(param_sharding, 2)

@@ -1,5 +1,6 @@
 """The rule (``update_scale``) at its bounds and in overflow storms: the scale stays a normal float32, nothing leaks."""
 
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,18 +11,6 @@ import jax_lossscale as jls
 
 TINY = np.float32(np.finfo(np.float32).tiny)
 F32_MAX = np.float32(np.finfo(np.float32).max)
-
-
-def _bits(tree):
-  """Every leaf as raw bits, so that -0.0 != 0.0 and NaN payloads count."""
-  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bit_identical(a, b):
-  la, lb = _bits(a), _bits(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    np.testing.assert_array_equal(x, y)
 
 
 @jax.jit
@@ -135,8 +124,8 @@ def test_ten_thousand_nonfinite_steps_in_one_jitted_scan():
   before_params, before_inner = params, state.inner_state
   params, state = train(params, state, 10_000, True)
   assert np.signbit(np.asarray(params["b"])[0]) and params["b"][0] == 0.0
-  _assert_bit_identical(params, before_params)
-  _assert_bit_identical(state.inner_state, before_inner)
+  assert_bits_equal(params, before_params)
+  assert_bits_equal(state.inner_state, before_inner)
   ls = state.loss_scale
   assert float(ls.scale) == TINY  # at its floor (default: smallest normal float32)
   assert int(ls.skipped_steps) == 10_000 and int(ls.consecutive_skips) == 10_000

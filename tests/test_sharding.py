@@ -20,6 +20,7 @@ import inspect
 from typing import NamedTuple
 
 from flax import nnx
+from helpers import assert_bits_equal
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
@@ -103,16 +104,6 @@ def _assert_replicated_on(tree, mesh):
   for leaf in jax.tree_util.tree_leaves(tree):
     assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == mesh, leaf.sharding
     assert _spec(leaf) == (), leaf.sharding
-
-
-def _bits(tree):
-  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bit_identical(a, b):
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(_bits(a), _bits(b), strict=True):
-    np.testing.assert_array_equal(x, y)
 
 
 def _assert_params_kept(params, params_np):
@@ -237,8 +228,8 @@ def test_wrappers_keep_params_sharding(optax_runs, axis_type, name):
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_wrappers_explicit_and_auto_are_bit_identical(optax_runs, name):
   explicit, auto = optax_runs(AxisType.Explicit, name), optax_runs(AxisType.Auto, name)
-  _assert_bit_identical(explicit["params"], auto["params"])
-  _assert_bit_identical(explicit["opt_state"], auto["opt_state"])
+  assert_bits_equal(explicit["params"], auto["params"], structure=True)
+  assert_bits_equal(explicit["opt_state"], auto["opt_state"], structure=True)
   assert explicit["metrics"] == auto["metrics"]
   assert explicit["nonfinite"] == auto["nonfinite"]
 
@@ -326,7 +317,7 @@ def test_trainstate_explicit_and_auto():
       _assert_like_params(tree, params)
     _assert_replicated_on(state.dynamic_scale, mesh)
   fields = lambda st: (st.step, st.params, st.opt_state, st.dynamic_scale)
-  _assert_bit_identical(fields(results[0][2]), fields(results[1][2]))
+  assert_bits_equal(fields(results[0][2]), fields(results[1][2]), structure=True)
 
 
 # -- nnx.Optimizer ---------------------------------------------------------------------
@@ -391,10 +382,12 @@ def test_nnx_optimizer_explicit_and_auto(optax_runs):
     scalars = [v for k, v in specs.items() if "loss_scale" in k or k == "['step'].value"]
     assert len(scalars) == 6 and set(scalars) == {()}
     _assert_replicated_on(state["opt_state"]["loss_scale"], mesh)
-  _assert_bit_identical(results[0][1], results[1][1])
-  _assert_bit_identical(results[0][2], results[1][2])
+  assert_bits_equal(results[0][1], results[1][1], structure=True)
+  assert_bits_equal(results[0][2], results[1][2], structure=True)
   # The same training as the plain Optax wrapper (same tx, loss and data), bit for bit.
-  _assert_bit_identical(results[0][1], optax_runs(AxisType.Explicit, "dynamic")["params"])
+  assert_bits_equal(
+    results[0][1], optax_runs(AxisType.Explicit, "dynamic")["params"], structure=True
+  )
 
 
 # -- Explicit axes under the plain jax.make_mesh default ------------------------------------

@@ -11,14 +11,14 @@ step with ``dynamic_loss_scale`` + ``optax.apply_updates``, stock Flax
 
 from flax import nnx
 from flax.training import train_state
+from helpers import make_nnx_optimizer as make_optimizer
+from helpers import nnx_update as _update
 from helpers import standard_promotion
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_nnx import _update
-from test_nnx import make_optimizer
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax

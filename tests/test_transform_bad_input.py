@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,16 +18,6 @@ import jax_lossscale as jls
 def _tx(**kwargs):
   kwargs.setdefault("init_scale", 4.0)
   return jls.dynamic_loss_scale(optax.sgd(0.5, momentum=0.9), **kwargs)
-
-
-def _bits(tree):
-  return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
-
-
-def _assert_bit_identical(a, b):
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(_bits(a), _bits(b)):
-    np.testing.assert_array_equal(x, y)
 
 
 def _state_dtypes_ok(loss_scale):
@@ -47,7 +38,7 @@ def test_mismatched_tree_structure_raises_naming_the_keys(maybe_jit):
     maybe_jit(tx.update)({"v": jnp.ones(3, jnp.float32)}, state, params)
   with pytest.raises((TypeError, ValueError), match="shape"):
     maybe_jit(tx.update)({"w": jnp.ones(4, jnp.float32)}, state, params)
-  _assert_bit_identical(state, snapshot)  # the failed calls touched nothing
+  assert_bits_equal(state, snapshot, structure=True)  # the failed calls touched nothing
 
 
 def test_foreign_state_is_rejected():
@@ -99,7 +90,7 @@ def test_integer_and_bool_leaves_take_no_part_in_the_check(maybe_jit):
   updates, state = maybe_jit(tx.update)(bad, state, params)
   assert int(state.loss_scale.skipped_steps) == 1
   new = optax.apply_updates(params, updates)
-  _assert_bit_identical(new, params)
+  assert_bits_equal(new, params, structure=True)
   assert jls.all_finite({"i": jnp.asarray([2**31 - 1]), "b": jnp.asarray([True])})
 
 
@@ -257,9 +248,9 @@ def test_nan_loss_on_every_step():
   first = (params, state)
   for _ in range(20):
     params, state = step(params, state)
-  _assert_bit_identical(params, first[0])
+  assert_bits_equal(params, first[0], structure=True)
   assert np.signbit(np.asarray(params["w"])[2])
-  _assert_bit_identical(state.inner_state, first[1].inner_state)
+  assert_bits_equal(state.inner_state, first[1].inner_state, structure=True)
   assert float(state.loss_scale.scale) == 1.0  # at the floor
   assert int(state.loss_scale.consecutive_skips) == 20
   with pytest.raises(jls.LossScaleError, match="20 consecutive steps skipped"):
@@ -284,8 +275,8 @@ def test_vmap_over_a_batch_of_states():
   for i in range(n):  # each member equals its own unbatched run
     one = jax.tree_util.tree_map(lambda x, i=i: x[i], (grads, states, params))
     u, s = tx.update(*one)
-    _assert_bit_identical(u, jax.tree_util.tree_map(lambda x, i=i: x[i], updates))
-    _assert_bit_identical(s, jax.tree_util.tree_map(lambda x, i=i: x[i], new))
+    assert_bits_equal(u, jax.tree_util.tree_map(lambda x, i=i: x[i], updates), structure=True)
+    assert_bits_equal(s, jax.tree_util.tree_map(lambda x, i=i: x[i], new), structure=True)
   # The skipped members' params and inner state are untouched.
   new_params = optax.apply_updates(params, updates)
   for i in (1, 2):
