@@ -13,11 +13,11 @@ import importlib.util
 from pathlib import Path
 import re
 
+from helpers import DEVIATIONS
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_autocast_zoo import DEVIATIONS
 
 import jax_lossscale as jls
 from jax_lossscale._autocast import _composite

@@ -11,6 +11,7 @@ from pathlib import Path
 import re
 
 from conftest import import_optional
+from helpers import rand
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -21,10 +22,6 @@ import jax_lossscale as jls
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 B, D = 4, 8  # batch, features
-
-
-def _rand(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
 # -- the cases: (params, per-example function of (params, h), expected dtype) -------------
@@ -61,7 +58,7 @@ def _eqx_batchnorm():
   bn, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
     D, axis_name="batch", inference=True, mode="batch"
   )
-  bn = eqx.tree_at(lambda m: m.bias, bn, _rand(4, (D,)))
+  bn = eqx.tree_at(lambda m: m.bias, bn, rand(4, (D,)))
 
   def op(m, h):
     return m[0](h, m[1])[0]
@@ -243,7 +240,7 @@ def _model(transform, f):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_registration_holds_under_each_transformation(name):
   params, f, expected = CASES[name]()
-  x, w = _rand(0, (B, D)), _rand(1, (D, D), 0.5)
+  x, w = rand(0, (B, D)), rand(1, (D, D), 0.5)
   base = _vmap if name in _VMAP_ONLY else _loop
   names = [
     t
@@ -275,7 +272,7 @@ def test_registration_holds_under_each_transformation(name):
 def test_gelu_under_vmap_is_the_plain_calls_float16_bits():
   # issue 33: the vmapped gelu ran in float32 (its batched marker ran on its declared
   # float32 inputs); it is the plain call's float16, bit for bit.
-  x, w = _rand(0, (4, 8)), _rand(1, (8, 8))
+  x, w = rand(0, (4, 8)), rand(1, (8, 8))
   plain = jls.autocast(lambda x, w: jax.nn.gelu(x @ w))(x, w)
   mapped = jls.autocast(lambda x, w: jax.vmap(jax.nn.gelu)(x @ w))(x, w)
   assert plain.dtype == mapped.dtype == F16
@@ -286,7 +283,7 @@ def test_gelu_under_grad_inside_autocast_runs():
   # The partially evaluated marker (primal and residual outputs, the primal's inputs) was
   # taken for the op itself: a zip of its outputs failed.
   x = jnp.linspace(-2.0, 2.0, 12).reshape(3, 4)
-  w = _rand(1, (4, 4))
+  w = rand(1, (4, 4))
   grad = jls.autocast(jax.grad(lambda x: jnp.sum(jax.nn.gelu(x @ w))))(x)
   ref = jax.grad(jls.autocast(lambda x: jnp.sum(jax.nn.gelu(x @ w))))(x)
   np.testing.assert_allclose(grad.astype(jnp.float32), ref, rtol=2e-3, atol=2e-3)
@@ -295,14 +292,14 @@ def test_gelu_under_grad_inside_autocast_runs():
 def test_a_transposed_linear_op_is_not_taken_for_the_op():
   # A linear op's transpose takes and returns arrays of the op's own shapes: it is told
   # from the op by its jaxpr, not by its shapes.
-  a = _rand(2, (4, 4)).astype(jnp.float16)
+  a = rand(2, (4, 4)).astype(jnp.float16)
   op = jls.autocast_op(lambda x: x @ a)
-  c = _rand(3, (3, 4))
+  c = rand(3, (3, 4))
 
   def loss(x):
     return jnp.sum(op(x).astype(jnp.float32) * c)
 
-  x = _rand(4, (3, 4))
+  x = rand(4, (3, 4))
   inside = jls.autocast(jax.grad(loss))(x)
   np.testing.assert_allclose(inside, c @ a.T.astype(jnp.float32), rtol=1e-2, atol=1e-2)
 
@@ -311,7 +308,7 @@ def test_an_equinox_mlp_written_per_token_runs_its_gelu_in_float16():
   eqx = import_optional("equinox")
   mlp = eqx.nn.MLP(8, 8, 16, 2, activation=jax.nn.gelu, key=jax.random.key(0))
   lin = eqx.nn.Linear(8, 4, key=jax.random.key(1))
-  x = _rand(2, (3, 5, 8))
+  x = rand(2, (3, 5, 8))
 
   def model(m, x):  # per token: vmap over the batch and the tokens
     mlp, lin = m
@@ -352,7 +349,7 @@ def _layer_rows():
   lin = eqx.nn.Linear(D, D, key=jax.random.key(next(key)))
   cell = eqx.nn.GRUCell(D, D, key=jax.random.key(next(key)))
   bn, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(D, axis_name="batch", mode="batch")
-  emb, wv = _rand(next(key), (11, D)), _rand(next(key), (D, D))
+  emb, wv = rand(next(key), (11, D)), rand(next(key), (D, D))
   mask = jnp.asarray([True, False] * (D // 2))
 
   def ln(h):
@@ -409,7 +406,7 @@ def test_the_guides_layer_table_holds_under_vmap():
   want = {row[0]: re.match(r"(float16|float32)", row[3]).group(1) for row in rows}
   fns = _layer_rows()
   assert set(want) == set(fns)
-  x, w = _rand(0, (B, D)), _rand(1, (D, D), 0.5)
+  x, w = rand(0, (B, D)), rand(1, (D, D), 0.5)
   ids = jnp.arange(B)
 
   def model(w, x, ids):

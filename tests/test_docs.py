@@ -16,6 +16,7 @@ import sys
 
 from helpers import REQUIRED_IN_CI
 from helpers import in_ci
+from helpers import python_blocks
 import jax
 import pytest
 
@@ -23,7 +24,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
-_FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _NOT_RUN = re.compile(r"\A# docs: not run — (\S.*)$", re.M)
 
 
@@ -32,11 +32,6 @@ def _load_hooks():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
-
-
-def python_blocks(text: str) -> list[tuple[int, str]]:
-  """(line number, code) of each ```` ```python ```` block of a markdown text."""
-  return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in _FENCE.finditer(text)]
 
 
 def _page_id(page: pathlib.Path) -> str:
