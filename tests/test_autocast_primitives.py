@@ -91,7 +91,11 @@ def test_every_primitive_of_this_jax_has_a_kind():
     for p, home in PRIMITIVES
     if prims.kind(p) is None and not home.startswith(prims.KERNEL_MODULES)
   )
-  assert not unknown, f"primitives without a kind (classify them in _primitives.py): {unknown}"
+  assert not unknown, (
+    "primitives without a kind: declare each in the registry as CONTRIBUTING.md says (a"
+    " first-order one in _primitives.py, a higher-order one by its handler's decorator in"
+    f" _higher_order.py): {unknown}"
+  )
 
 
 def test_every_policy_row_is_a_first_order_primitive():
