@@ -91,11 +91,3 @@ def _scopes(name_stack: Any) -> str:
   if stack is None:
     return str(name_stack)
   return "/".join(e.name for e in stack if type(e).__name__ != "Transform")
-
-
-def _scopes(name_stack: Any) -> str:
-  """The scopes of a name stack, without the transformations (``jvp()`` under grad)."""
-  stack = getattr(name_stack, "stack", None)
-  if stack is None:
-    return str(name_stack)
-  return "/".join(e.name for e in stack if type(e).__name__ != "Transform")
