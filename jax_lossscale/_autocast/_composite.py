@@ -18,16 +18,16 @@ only while autocast traces, on the modules already imported.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Iterator
 import contextlib
 import functools
-import itertools
+import re
 import sys
 import threading
 from typing import Any
 from typing import NamedTuple
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -69,48 +69,90 @@ def tracing_dtype() -> np.dtype | None:
 
 
 class _Entry(NamedTuple):
+  """What re-calls one traced call of a composite op on the actual dtypes.
+
+  It holds no jaxpr: it is the value of its own declared jaxpr in ``_REGISTRY``, and a
+  reference back to that key would keep both alive for ever.
+  """
+
   fn: Callable[..., Any]
   rule: str
   treedef: Any
   template: tuple[Any, ...]
   dyn_idx: tuple[int, ...]
   primary: int | None  # the position in the dynamic leaves of the primary input
-  shapes: tuple[tuple[int, ...], ...]  # the dynamic leaves' shapes when it was called
-  # The marker's declared jaxprs (a token reused for an equal call keeps each): an
-  # equation holding one of them is the call itself; any other equation of the token is
-  # the call transformed by jax.vmap, jvp, partial evaluation or transposition.
-  jaxprs: tuple[Any, ...] = ()
 
 
-#: Each traced call of a composite op, by the token in its marker's name. Bounded: a
-#: call whose static arguments cannot be hashed takes a new token each time.
-_REGISTRY: OrderedDict[str, _Entry] = OrderedDict()
-_TOKENS: dict[Any, str] = {}
-_COUNTER = itertools.count()
-_LOCK = threading.Lock()
-_MAX_ENTRIES = 4096
+class _Meta(NamedTuple):
+  """What a marker's name says: all a transformed marker needs (no registry lookup)."""
+
+  rule: str
+  primary: int | None  # the position in the dynamic leaves of the primary input
+  n_in: int  # the op's dynamic inputs (the declared marker's inputs, one for one)
+  n_out: int  # the op's flat outputs (the declared marker's outputs)
+  label: str | None  # the function's ``__name__`` (the underflow taps' label)
 
 
-def _token(key: Any) -> str:
-  """The token of a call: an equal call's (hashable ``key``) again, else a new one."""
-  with _LOCK:
-    token = _TOKENS.get(key) if key is not None else None
-    if token is None:
-      token = f"{next(_COUNTER)}"
-      if key is not None:
-        _TOKENS[key] = token
-    return token
+#: ``jls_op_<rule>_p<primary or n>_i<inputs>_o<outputs>_<the function's name>``.
+_NAME = re.compile(
+  rf"^{re.escape(OP_MARK)}"
+  rf"(?P<rule>{'|'.join(sorted(map(re.escape, COMPOSITE_RULES), key=len, reverse=True))})"
+  r"_p(?P<primary>\d+|n)_i(?P<n_in>\d+)_o(?P<n_out>\d+)_(?P<label>.*)$",
+  re.DOTALL,
+)
 
 
-def _register(token: str, entry: _Entry) -> None:
-  with _LOCK:
-    old = _REGISTRY.get(token)
-    if old is not None:  # an equal call: the jaxprs traced for it before stay recognised
-      entry = entry._replace(jaxprs=(*old.jaxprs, *entry.jaxprs)[-8:])
-    _REGISTRY[token] = entry
-    _REGISTRY.move_to_end(token)
-    while len(_REGISTRY) > _MAX_ENTRIES:
-      _REGISTRY.popitem(last=False)
+def _marker_name(rule: str, primary: int | None, n_in: int, n_out: int, label: Any) -> str:
+  p = "n" if primary is None else str(primary)
+  return f"{OP_MARK}{rule}_p{p}_i{n_in}_o{n_out}_{label if isinstance(label, str) else ''}"
+
+
+def _parse(name: str) -> _Meta:
+  found = _NAME.match(name)
+  if found is None:
+    raise AutocastError(
+      f"autocast met a jit named {name!r}, which autocast_op did not make: the prefix "
+      f"{OP_MARK!r} is reserved for its markers. Rename the function."
+    )
+  primary = found["primary"]
+  return _Meta(
+    found["rule"],
+    None if primary == "n" else int(primary),
+    int(found["n_in"]),
+    int(found["n_out"]),
+    found["label"] or None,
+  )
+
+
+#: Each traced call of a composite op, by the identity of its marker's declared jaxpr
+#: (the ``ClosedJaxpr`` its equation binds), held weakly: an entry lives exactly as long
+#: as a jaxpr that holds the call (the trace autocast evaluates, or a ``jax.jit`` traced
+#: under autocast and cached by JAX), and nothing else is kept per call. Keyed by
+#: ``id`` with a weak reference rather than by a ``WeakKeyDictionary``, so a jaxpr is
+#: never taken for another one equal to it.
+_REGISTRY: dict[int, tuple[weakref.ref[Any], _Entry]] = {}
+_LOCK = threading.Lock()  # the registrations' installation (below)
+
+
+def _register(jaxpr: Any, entry: _Entry) -> None:
+  key = id(jaxpr)
+
+  def forget(ref: weakref.ref[Any]) -> None:
+    # No lock: this runs when the jaxpr dies, possibly inside a collection triggered
+    # while a lock is held. Its memory (so its id) is not reused before this returns.
+    found = _REGISTRY.get(key)
+    if found is not None and found[0] is ref:
+      _REGISTRY.pop(key, None)
+
+  _REGISTRY[key] = (weakref.ref(jaxpr, forget), entry)
+
+
+def _lookup(jaxpr: Any) -> _Entry | None:
+  """The entry of the call whose declared jaxpr is ``jaxpr``, else ``None``."""
+  found = _REGISTRY.get(id(jaxpr))
+  if found is None or found[0]() is not jaxpr:
+    return None
+  return found[1]
 
 
 def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
@@ -148,29 +190,25 @@ def _call(entry: _Entry, dyn: list[Any], lower: Any) -> tuple[list[Any], Any]:
 @jit_region(OP_MARK)
 def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   """The interpreter's rule for a composite op's marker equation."""
-  token = str(eqn.params["name"])[len(OP_MARK) :]
-  entry = _REGISTRY.get(token)
-  if entry is None:
-    raise AutocastError(
-      f"autocast met a composite op (token {token}) whose registration is gone: it was "
-      f"traced more than {_MAX_ENTRIES} composite calls ago with unhashable static "
-      "arguments. Make the op's non-array arguments hashable."
-    )
-  dyn = [v.x for v in ins]
-  if any(eqn.params["jaxpr"] is j for j in entry.jaxprs):
-    outs, _ = _call(entry, dyn, interp.dtype)
+  meta = _parse(str(eqn.params["name"]))
+  # The equation that binds a declared jaxpr is the call itself: it holds that jaxpr,
+  # so its entry is alive. Any other equation of a marker is the call transformed by
+  # jax.vmap, jvp, partial evaluation or transposition, which its name describes.
+  entry = _lookup(eqn.params["jaxpr"])
+  if entry is not None:
+    outs, _ = _call(entry, [v.x for v in ins], interp.dtype)
   else:
-    outs = _transformed(interp, entry, eqn, ins)
-  lowp = entry.rule == LOWER
+    outs = _transformed(interp, meta, eqn, ins)
+  lowp = meta.rule == LOWER
   if lowp:  # its outputs are lower-precision results: check_underflow taps them
-    outs = interp.tap(eqn, outs, getattr(entry.fn, "__name__", None))
+    outs = interp.tap(eqn, outs, meta.label)
   return [
     Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
     for o in outs
   ]
 
 
-def _transformed(interp: Interpreter, entry: _Entry, eqn: Any, ins: list[Val]) -> list[Any]:
+def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> list[Any]:
   """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
 
   Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
@@ -180,30 +218,29 @@ def _transformed(interp: Interpreter, entry: _Entry, eqn: Any, ins: list[Val]) -
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
   (what the op traced on those dtypes computes).
   """
-  if entry.rule == PROMOTE and not interp.as_written_mode:
+  if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
     plain = [Val(v.x, Facts(follows=v.facts.follows)) for v in ins]
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
   outs = [v.x for v in interp.as_written(eqn, ins)]
-  if entry.rule == LOWER:
+  if meta.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
-  if entry.rule == FLOAT32_COMPUTE and entry.primary is not None:
+  if meta.rule == FLOAT32_COMPUTE and meta.primary is not None:
     # The outputs shaped like the primary input take its dtype. Under vmap the inputs
     # are the op's, one for one; under jvp or partial evaluation they are not, and the
     # op's outputs (the first ones) take the dtype of an input of their shape that
     # autocast lowered (the primal and its tangent).
-    if len(ins) == len(entry.shapes):
-      halves = {tuple(ins[entry.primary].x.shape): ins[entry.primary].x.dtype}
+    if len(ins) == meta.n_in:
+      halves = {tuple(ins[meta.primary].x.shape): ins[meta.primary].x.dtype}
     else:
       halves = {
         tuple(v.x.shape): v.x.dtype
         for v, var in zip(ins, eqn.invars, strict=True)
         if _is_lowered(v.x, var)
       }
-    n_op = len(entry.jaxprs[0].out_avals) if entry.jaxprs else len(outs)
     outs = [
       cast(o, halves[tuple(o.shape)])
-      if i < n_op and is_eligible(o.dtype) and tuple(o.shape) in halves
+      if i < meta.n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
       else o
       for i, o in enumerate(outs)
     ]
@@ -227,24 +264,25 @@ def _marker_call(
     first = len(jax.tree_util.tree_leaves(args[:primary]))
     if first in dyn_idx:
       primary_pos = dyn_idx.index(first)
-  shapes = tuple(tuple(np.shape(leaves[i])) for i in dyn_idx)
-  try:
-    key = (fn, rule, treedef, dyn_idx, primary_pos, shapes, tuple((type(x), x) for x in template))
-    hash(key)
-  except TypeError:
-    key = None
-  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos, shapes)
-  token = _token(key)
+  entry = _Entry(fn, rule, treedef, template, dyn_idx, primary_pos)
+  label = getattr(fn, "__name__", None)
+
+  def name(n_out: int) -> str:
+    return _marker_name(rule, primary_pos, len(dyn_idx), n_out, label)
 
   # The declared trace: the rule's casts on the declared dtypes stand in for the real
   # ones (so a kernel that needs half inputs, like cuDNN's attention, can be traced);
   # the interpreter replaces this body by the op on the actual dtypes.
-  name = f"{OP_MARK}{token}"
   out_tree: list[Any] = []
 
   def traced(*dyn: Any) -> list[Any]:
     outs, tree = _call(entry, list(dyn), lower)
     out_tree.append(tree)
+    # The marker's name counts the op's outputs: jit names its equation once the body
+    # is traced (checked below). Through a weak reference: no cycle delays its release.
+    this = itself()
+    if this is not None:
+      this.__name__ = this.__qualname__ = name(len(outs))
     # The declared trace stays a trace of the model as written: the outputs leave in the
     # dtype of the declared inputs (the interpreter gives them their real dtype).
     floats = [np.dtype(x.dtype) for x in dyn if is_eligible(x.dtype)]
@@ -253,13 +291,27 @@ def _marker_call(
       outs = [cast(o, declared) if is_eligible(o.dtype) else o for o in outs]
     return outs
 
-  traced.__name__ = name
-  traced.__qualname__ = name
+  traced.__name__ = traced.__qualname__ = OP_MARK
+  itself = weakref.ref(traced)
   # keep_unused: the marker's inputs are the op's arguments one for one.
   marker = jax.jit(traced, keep_unused=True)
   dyn = [leaves[i] for i in dyn_idx]
-  jaxpr = marker.trace(*dyn).jaxpr  # the call below binds this very jaxpr (jit's cache)
-  _register(token, entry._replace(jaxprs=(jaxpr,)))
+  stage = marker.trace(*dyn)
+  jaxpr = stage.jaxpr  # the call below binds this very jaxpr (jit's cache)
+  if getattr(stage, "fun_name", None) != traced.__name__:
+    # A JAX that names the equation before tracing its body (or does not say): the
+    # declared trace again, under a jit named from the start.
+    from jax.extend.core import jaxpr_as_fun
+
+    first = jaxpr
+
+    def declared(*dyn: Any) -> Any:
+      return jaxpr_as_fun(first)(*dyn)
+
+    declared.__name__ = declared.__qualname__ = traced.__name__
+    marker = jax.jit(declared, keep_unused=True)
+    jaxpr = marker.trace(*dyn).jaxpr
+  _register(jaxpr, entry)
   flat = marker(*dyn)
   return jax.tree_util.tree_unflatten(out_tree[-1], flat)
 

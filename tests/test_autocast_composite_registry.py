@@ -1,0 +1,172 @@
+"""The composite-op registry: bounded by the traces that hold a call, never evicting one.
+
+Each call of an ``autocast_op`` under autocast is recorded for the marker equation that
+stands for it, keyed weakly by that equation's jaxpr: thousands of distinct calls (new
+shapes, new static arguments, hashable or not) leave nothing behind once their traces
+are gone, and a trace JAX keeps (a ``jax.jit`` traced under autocast) keeps its calls,
+however many other calls come after it (the registry was an LRU of 4096 calls, which
+raised "registration is gone" there).
+
+Compiling is most of the time here (tracing a call costs about a millisecond): the
+distinct calls are traced 250 to an autocast function, each compiled once, at XLA's
+lowest optimisation level.
+"""
+
+import dataclasses
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_lossscale as jls
+from jax_lossscale._autocast import _composite
+from jax_lossscale._autocast._errors import AutocastError
+
+F16 = np.dtype(jnp.float16)
+N_CALLS = 1000  # distinct calls (input lengths) per kind of static argument
+CHUNK = 250  # calls per autocast function (one trace, one compilation)
+OLD_BOUND = 4096  # the LRU the registry was
+
+
+class Scale:
+  """An unhashable static argument (a config object)."""
+
+  __hash__ = None  # type: ignore[assignment]
+
+  def __init__(self, value):
+    self.value = value
+
+
+@dataclasses.dataclass(frozen=True)
+class HashableScale:
+  """A hashable static argument (weakly referenceable, as ``Scale``)."""
+
+  value: float
+
+
+@jls.autocast_op(rule="lower")
+def scaled(x, scale):
+  return x * scale.value
+
+
+def _scale(n):  # exact in float16: 1, 1.25, ..., 2
+  return 1 + (n % 5) / 4
+
+
+def _expected(x, scale):
+  """The op called directly with its rule's cast (the inputs to float16), in NumPy."""
+  return np.asarray(x).astype(np.float16) * np.float16(scale)
+
+
+def _live():
+  gc.collect()
+  return len(_composite._REGISTRY)
+
+
+def _fast(fun):  # the value checks compile many tiny ops: XLA's cheapest compilation
+  return jax.jit(fun, compiler_options={"xla_backend_optimization_level": 0})
+
+
+@pytest.mark.parametrize("kind", [HashableScale, Scale])
+def test_thousands_of_distinct_calls_are_each_right_and_leave_nothing_behind(kind):
+  before = _live()
+  xs = np.arange(N_CALLS, dtype=np.float32) / 3  # thirds: float16 rounds them
+  x = jnp.asarray(xs)
+  refs, after_chunk = [], []
+  for start in range(1, N_CALLS + 1, CHUNK):
+    lengths = range(start, start + CHUNK)
+    scales = [kind(_scale(n)) for n in lengths]
+    refs += [weakref.ref(s) for s in scales]
+
+    def f(x, lengths=lengths, scales=scales):
+      return [scaled(x[:n], s) for n, s in zip(lengths, scales, strict=True)]
+
+    outs = _fast(jls.autocast(f))(x)
+    for n, out in zip(lengths, outs, strict=True):
+      assert out.dtype == F16 and out.shape == (n,), (n, out.dtype, out.shape)
+      np.testing.assert_array_equal(np.asarray(out), _expected(xs[:n], _scale(n)), err_msg=f"{n}")
+    del f, outs, scales
+    after_chunk.append(_live())
+  # Nothing accumulates: each chunk's CHUNK entries died with its trace.
+  assert max(after_chunk) <= before, (before, after_chunk)
+  # The static arguments are not kept (a hashable one was, for ever, by the token table).
+  assert all(r() is None for r in refs), sum(r() is not None for r in refs)
+
+
+def test_a_trace_jax_keeps_keeps_its_call_past_the_old_bound():
+  # A jitted step traced under autocast is cached by JAX with the op's marker in it. It
+  # holds an unhashable static argument (a new call, in the old registry, each time).
+  scale = Scale(1.25)
+  step = jax.jit(lambda x: scaled(x, scale))
+  x = jnp.arange(6, dtype=jnp.float32) / 3
+  expected = _expected(x, 1.25)
+  np.testing.assert_array_equal(np.asarray(jls.autocast(step)(x)), expected)
+  live = _live()
+  assert live >= 1  # step's cached trace holds its call
+
+  # More distinct calls than the old LRU held (traced only: make_jaxpr compiles nothing).
+  others = [Scale(2.0) for _ in range(OLD_BOUND + 4)]
+  jax.make_jaxpr(jls.autocast(lambda y: [scaled(y, s) for s in others]))(x)
+  assert _live() == live  # the others died with their trace; step's call did not
+
+  # A new autocast function traces step again: JAX's cache gives the same trace back.
+  out = jls.autocast(step)(x)
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+def test_the_marker_binds_the_jaxpr_it_was_registered_for():
+  # The equation of an untransformed call holds the very jaxpr its entry is keyed by
+  # (jit's cache gives the call what its trace made), and the entry goes with it.
+  with _composite.tracing(jnp.float16):
+    closed = jax.make_jaxpr(lambda x: scaled(x, Scale(2.0)))(jnp.ones(3))
+  (eqn,) = closed.jaxpr.eqns
+  assert eqn.params["name"] == "jls_op_lower_pn_i1_o1_scaled"
+  assert _composite._lookup(eqn.params["jaxpr"]) is not None
+  ref = weakref.ref(eqn.params["jaxpr"])
+  del closed, eqn
+  gc.collect()
+  assert ref() is None
+  assert _live() <= 1  # (step's trace above may still be alive in this process)
+
+
+def test_the_marker_name_says_what_a_transformed_marker_needs():
+  @jls.autocast_op(rule="float32_compute", primary=1)
+  def norm(scale, x, y):  # x's position in the dynamic leaves is 0 (scale is static)
+    return x / scale.value, (y.sum(), x)
+
+  with _composite.tracing(jnp.float16):
+    closed = jax.make_jaxpr(lambda x, y: norm(Scale(2.0), x, y))(jnp.ones(3), jnp.ones(2))
+  name = closed.jaxpr.eqns[0].params["name"]
+  assert name == "jls_op_float32_compute_p0_i2_o3_norm"
+  assert _composite._parse(name) == ("float32_compute", 0, 2, 3, "norm")
+  lam = _composite._marker_name("promote", None, 1, 1, "<lambda>")
+  assert _composite._parse(lam) == ("promote", None, 1, 1, "<lambda>")
+  assert _composite._parse(_composite._marker_name("lower", None, 0, 2, None)).label is None
+
+
+def test_a_jit_that_only_looks_like_a_marker_is_named():
+  def jls_op_mine(x):
+    return x * 2
+
+  with pytest.raises(AutocastError, match="reserved"):
+    jls.autocast(jax.jit(jls_op_mine))(jnp.ones(3))
+
+
+def test_a_jax_that_names_the_marker_first_gets_a_marker_traced_again(monkeypatch):
+  # Where a JAX does not say the name it gave the traced jit (or names it before its body
+  # is traced), the marker is traced again under a jit named from the start.
+  from jax._src import stages
+
+  monkeypatch.setattr(stages.Traced, "fun_name", property(lambda self: None), raising=False)
+  x = jnp.arange(4, dtype=jnp.float32) / 3
+  f = jls.autocast(lambda x: scaled(x, Scale(1.5)))
+  np.testing.assert_array_equal(np.asarray(f(x)), _expected(x, 1.5))
+  with _composite.tracing(jnp.float16):
+    closed = jax.make_jaxpr(lambda x: scaled(x, Scale(2.0)))(x)
+  (eqn,) = closed.jaxpr.eqns
+  assert eqn.params["name"] == "jls_op_lower_pn_i1_o1_scaled"
+  assert _composite._lookup(eqn.params["jaxpr"]) is not None
