@@ -3,7 +3,7 @@
 ``docs/hooks.py`` replaces each placeholder of :data:`PLACEHOLDERS` on a page by its renderer's
 markdown. The renderers read only the stable entry points: ``jax_lossscale.autocast_policy()``;
 ``KIND_DESCRIPTIONS``, ``table_names()``, ``versioned_names()``, ``UNHANDLED`` and the kind
-constants of ``jax_lossscale._autocast._primitives``; ``_composite.registrations()``. What the
+constants of ``jax_lossscale._autocast._primitives``; ``_registrations.registrations()``. What the
 code does not hold (each kind's examples and behaviour, each registration's torch op) is prose
 kept here, keyed by the code's names: a kind or a registration without its prose, prose for one
 the code no longer has, or an example primitive of another kind fails the build.
@@ -248,11 +248,11 @@ TORCH_OPS = {
 
 
 def registrations_table() -> str:
-  """One row per ``_composite.registrations()`` entry, in its order: module, attribute,
+  """One row per ``_registrations.registrations()`` entry, in its order: module, attribute,
   rule, and the torch op of :data:`TORCH_OPS`."""
-  from jax_lossscale._autocast import _composite
+  from jax_lossscale._autocast import _registrations
 
-  registered = _composite.registrations()
+  registered = _registrations.registrations()
   _same_keys("registration", [(m, a) for m, a, *_ in registered], TORCH_OPS)
   rows = [(f"`{m}`", f"`{a}`", rule, TORCH_OPS[m, a]) for m, a, rule, *_ in registered]
   return _table(("module", "attribute", "rule", "torch"), rows)

@@ -23,6 +23,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale._autocast import _composite
+from jax_lossscale._autocast import _registrations
 from jax_lossscale._autocast._errors import AutocastError
 
 F16 = np.dtype(jnp.float16)
@@ -121,7 +122,7 @@ def test_a_trace_jax_keeps_keeps_its_call_past_the_old_bound():
 def test_the_marker_binds_the_jaxpr_it_was_registered_for():
   # The equation of an untransformed call holds the very jaxpr its entry is keyed by
   # (jit's cache gives the call what its trace made), and the entry goes with it.
-  with _composite.tracing(jnp.float16):
+  with _registrations.tracing(jnp.float16):
     closed = jax.make_jaxpr(lambda x: scaled(x, Scale(2.0)))(jnp.ones(3))
   (eqn,) = closed.jaxpr.eqns
   assert eqn.params["name"] == "jls_op_lower_pn_i1_o1_scaled"
@@ -138,7 +139,7 @@ def test_the_marker_name_says_what_a_transformed_marker_needs():
   def norm(scale, x, y):  # x's position in the dynamic leaves is 0 (scale is static)
     return x / scale.value, (y.sum(), x)
 
-  with _composite.tracing(jnp.float16):
+  with _registrations.tracing(jnp.float16):
     closed = jax.make_jaxpr(lambda x, y: norm(Scale(2.0), x, y))(jnp.ones(3), jnp.ones(2))
   name = closed.jaxpr.eqns[0].params["name"]
   assert name == "jls_op_float32_compute_p0_i2_o3_norm"
@@ -165,7 +166,7 @@ def test_a_jax_that_names_the_marker_first_gets_a_marker_traced_again(monkeypatc
   x = jnp.arange(4, dtype=jnp.float32) / 3
   f = jls.autocast(lambda x: scaled(x, Scale(1.5)))
   np.testing.assert_array_equal(np.asarray(f(x)), _expected(x, 1.5))
-  with _composite.tracing(jnp.float16):
+  with _registrations.tracing(jnp.float16):
     closed = jax.make_jaxpr(lambda x: scaled(x, Scale(2.0)))(x)
   (eqn,) = closed.jaxpr.eqns
   assert eqn.params["name"] == "jls_op_lower_pn_i1_o1_scaled"

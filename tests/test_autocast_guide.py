@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._autocast import _composite
 from jax_lossscale._autocast import _primitives
+from jax_lossscale._autocast import _registrations
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def test_the_versioned_primitives_are_each_listed_once():
 
 def test_the_registrations_table_has_a_row_per_registration():
   rows = _rows(TABLES.registrations_table())
-  registered = _composite.registrations()
+  registered = _registrations.registrations()
   assert len(registered) > 10
   assert [(_code(m), _code(a), rule) for m, a, rule, _ in rows] == [r[:3] for r in registered]
   assert all(torch for *_, torch in rows)

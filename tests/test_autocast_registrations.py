@@ -140,9 +140,9 @@ CASES = {
   "autocast_op float32_compute": lambda: _user("float32_compute"),
 }
 
-#: Each registration of ``_composite.registrations()`` has a case.
+#: Each registration of ``_registrations.registrations()`` has a case.
 _REGISTERED = {
-  f"{m}.{a.removesuffix('.__call__')}" for m, a, _ in jls._autocast._composite.registrations()
+  f"{m}.{a.removesuffix('.__call__')}" for m, a, _ in jls._autocast._registrations.registrations()
 }
 
 

@@ -13,8 +13,9 @@ The subpackage's rooms:
 * :mod:`._interpreter`: the jaxpr interpreter, dispatching on the registry;
 * :mod:`._higher_order`: the handlers of the higher-order primitives, each declared in
   the registry by a decorator;
-* :mod:`._composite`: composite ops with their own rule (``autocast_op``) and the
-  registrations torch implies (attention, RNN cells, batch norms);
+* :mod:`._composite`: composite ops with their own rule (``autocast_op``);
+* :mod:`._registrations`: the composite ops torch implies (attention, RNN cells, batch
+  norms), installed while autocast traces;
 * :mod:`._attention`: the attention kernel chosen for the platform;
 * :mod:`._api`: ``autocast`` and ``float32``;
 * :mod:`._arguments`: a call's arguments split into arrays and static values;

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._autocast import _composite
+from jax_lossscale._autocast import _registrations
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._higher_order import jit_region
@@ -195,12 +195,12 @@ def _interpret(
   def flat_fun(*dyn: Any) -> Any:
     # A registered function held by an argument (an activation stored in a module)
     # calls its registration.
-    static = [x if i in dyn_set else _composite.registered(x) for i, x in enumerate(leaves)]
+    static = [x if i in dyn_set else _registrations.registered(x) for i, x in enumerate(leaves)]
     a, k = rebuild(treedef, static, dyn_idx, dyn)
     return fun(*a, **k)
 
   dyn = [leaves[i] for i in dyn_idx]
-  with _composite.tracing(interp.dtype):
+  with _registrations.tracing(interp.dtype):
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dyn)
 
   def facts(i: int) -> Facts:
