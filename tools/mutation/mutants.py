@@ -1038,10 +1038,6 @@ EQUIVALENT: dict[str, str] = {
     "int arguments, allow_int)"
   ),
   # _state, _transform, _integrations/_flax
-  "_state:get_scale_state:if-false:183c": (
-    "scale_states of a DynamicScaleState itself is [('', state)], so the search returns the "
-    "state as the fast path does"
-  ),
   "_transform:_cast_updates:drop-kwarg:is_leaf:be56": (
     "without is_leaf a None gradient is an empty subtree that tree_map keeps as None, which "
     "is what the lambda gives it"
