@@ -130,6 +130,42 @@ def test_unknown_attribute_is_an_attribute_error():
     jls.no_such_name  # noqa: B018
 
 
+def _fresh(code: str) -> str:
+  """``code`` run in a fresh interpreter (nothing imported yet); its stdout."""
+  import subprocess
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+    [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=240
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  return done.stdout
+
+
+def test_jls_flax_is_imported_on_first_use():
+  pytest.importorskip("flax")
+  out = _fresh(
+    "import sys, jax_lossscale as jls\n"
+    "print('jax_lossscale.flax' in sys.modules)\n"
+    "print(jls.flax.TrainState.__module__)\n"
+  )
+  assert out.split() == ["False", "jax_lossscale._integrations._flax"]
+
+
+def test_jls_flax_without_flax_says_what_to_install():
+  out = _fresh(
+    "import sys\n"
+    "sys.modules['flax'] = None  # Flax not installed\n"
+    "import jax_lossscale as jls\n"
+    "try:\n"
+    "  jls.flax\n"
+    "except AttributeError as e:\n"
+    "  print(e)\n"
+  )
+  assert "jax_lossscale.flax is not available" in out, out
+  assert "pip install 'jax-lossscale[flax]'" in out, out
+
+
 def test_one_version_source():
   """pyproject.toml has no version of its own: setuptools reads ``__version__``."""
   import tomllib  # Python 3.11, the oldest that requires-python admits
