@@ -125,3 +125,17 @@ def test_cpu_values_unchanged(maybe_jit):
   np.testing.assert_allclose(
     np.asarray(out, np.float32), np.asarray(expected, np.float32), rtol=2**-10, atol=2**-24
   )
+
+
+def test_its_keyword_arguments_reach_jaxs_attention_in_every_dtype():
+  # is_causal (any keyword JAX's attention takes) is passed on by the registration, on the
+  # half path (the CPU's float32 kernel) and on the path of float32 inputs alike.
+  q, k, v = _qkv()
+  with jax.numpy_dtype_promotion("standard"):
+    causal = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    full = jax.nn.dot_product_attention(q, k, v)
+  assert float(jnp.max(jnp.abs(causal - full))) > 0.1  # the argument changes the result
+  for dtype, tol in ((jnp.float32, 1e-6), (jnp.float16, 2e-2)):
+    f = jls.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), dtype)
+    out = np.asarray(f(q, k, v), np.float32)
+    np.testing.assert_allclose(out, np.asarray(causal), rtol=tol, atol=tol, err_msg=str(dtype))
