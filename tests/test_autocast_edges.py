@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+import jax_lossscale as jls
 from jax_lossscale import _autocast
 from jax_lossscale._autocast import AutocastError
 from jax_lossscale._autocast import _primitives as prims
@@ -514,3 +515,31 @@ def test_a_custom_vjp_backwards_float0_cotangent_for_an_integer_argument_is_drop
   assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
   ref = jax.grad(lambda w: jnp.sum((x.astype(F16) @ w.astype(F16) * jnp.float16(3)).astype(F32)))(w)
   np.testing.assert_array_equal(np.asarray(gw), np.asarray(ref))
+
+
+def test_an_autocast_op_outside_autocast_is_the_function_itself():
+  # No marker and no cast outside autocast: a float16 input stays float16 under "lower"
+  # (the op is not cast to any dtype), its bits the plain function's.
+  op = jls.autocast_op(lambda a: jnp.tanh(a) * 3, rule="lower")
+  x = jnp.asarray([0.1, -2.0, 7.5], jnp.float16)
+  assert "jit" not in str(jax.make_jaxpr(op)(x))
+  out = op(x)
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.tanh(x) * 3))
+
+
+def test_a_promote_op_of_integer_inputs_only_runs_as_written():
+  op = jls.autocast_op(lambda n: n * 2 + 1, rule="promote")
+  out = jls.autocast(lambda n, x: (op(n), x @ x.T))(jnp.arange(4), jnp.ones((2, 3)))
+  assert out[0].dtype == jnp.arange(4).dtype
+  np.testing.assert_array_equal(np.asarray(out[0]), np.arange(4) * 2 + 1)
+
+
+def test_an_autocast_op_is_traced_again_on_the_dtypes_it_gets():
+  # The op's Python runs again on its actual (promoted) inputs, as a torch op registered
+  # for autocast sees the tensors it is given: a branch on the dtype takes the float16 one.
+  op = jls.autocast_op(lambda a: a * (2 if a.dtype == jnp.float16 else 3), rule="promote")
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+  out = jls.autocast(lambda x, w: op(x @ w))(x, w)
+  assert out.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(out), np.full((2, 4), 6.0, np.float16))

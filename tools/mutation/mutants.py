@@ -1027,6 +1027,11 @@ EQUIVALENT: dict[str, str] = {
     "every outvar is a Var (DropVar is a subclass); a DropVar is never read (it is never an "
     "eqn invar or a jaxpr outvar), so the extra env entry is unobservable"
   ),
+  "_composite:_register.forget:if-true:6499": (
+    "the guard only matters if another call were registered under the dead jaxpr's id "
+    "before its callback ran; a weakref's callback runs while its referent is freed, "
+    "before that memory (so that id) can be reused, so the entry found is always its own"
+  ),
   "_api:_jit_arrays:if-true:cd22": (
     "nothing is ever stored under the key None (the store is guarded by key is not None), "
     "so cache.get(None) is None, as the original's fallback"
