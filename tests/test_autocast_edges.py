@@ -543,3 +543,18 @@ def test_an_autocast_op_is_traced_again_on_the_dtypes_it_gets():
   out = jls.autocast(lambda x, w: op(x @ w))(x, w)
   assert out.dtype == jnp.float16
   np.testing.assert_array_equal(np.asarray(out), np.full((2, 4), 6.0, np.float16))
+
+
+def test_a_promote_op_lets_a_converted_mask_follow_as_an_inline_product_does():
+  # h * mask.astype(float32), written inline, stays float16 (a bool made float has no dtype of
+  # its own, as torch's bool * half is half); the same product as a "promote" op does too,
+  # called as it is and under vmap (the plain call promoted the float16 h to float32).
+  op = jls.autocast_op(lambda a, m: a * m, rule="promote")
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  mask = jnp.asarray([[True, False, True, True], [False, True, True, False]])
+  inline = jls.autocast(lambda x, w, m: (x @ w) * m.astype(jnp.float32))(x, w, mask)
+  plain = jls.autocast(lambda x, w, m: op(x @ w, m.astype(jnp.float32)))(x, w, mask)
+  mapped = jls.autocast(lambda x, w, m: jax.vmap(op)(x @ w, m.astype(jnp.float32)))(x, w, mask)
+  assert inline.dtype == plain.dtype == mapped.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(inline))
+  np.testing.assert_array_equal(np.asarray(mapped), np.asarray(inline))

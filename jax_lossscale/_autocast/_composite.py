@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 import contextlib
 import functools
 import re
@@ -155,7 +156,12 @@ def _lookup(jaxpr: Any) -> _Entry | None:
   return found[1]
 
 
-def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
+def _cast_inputs(
+  rule: str, dyn: list[Any], lower: Any, follows: Sequence[bool] | None = None
+) -> list[Any]:
+  """``dyn`` cast by ``rule``. ``follows``: the inputs that take the dtype of the others
+  (a converted mask, a constant), left out of ``"promote"``'s choice as the interpreter
+  leaves them out of a primitive's."""
   floats = [np.dtype(x.dtype) for x in dyn if is_eligible(x.dtype)]
   if not floats:
     return dyn
@@ -164,7 +170,11 @@ def _cast_inputs(rule: str, dyn: list[Any], lower: Any) -> list[Any]:
   elif rule in (FLOAT32, FLOAT32_COMPUTE):
     target = np.dtype(jnp.float32)
   else:
-    target = torch_promote(floats)
+    flags = [False] * len(dyn) if follows is None else follows
+    driving = [
+      np.dtype(x.dtype) for x, f in zip(dyn, flags, strict=True) if is_eligible(x.dtype) and not f
+    ]
+    target = torch_promote(driving or floats)
   return [cast(x, target) if is_eligible(x.dtype) else x for x in dyn]
 
 
@@ -175,12 +185,13 @@ def _restore_primary(entry: _Entry, outs: list[Any], primary: Any) -> list[Any]:
   return [cast(o, dtype) if is_eligible(o.dtype) and tuple(o.shape) == shape else o for o in outs]
 
 
-def _call(entry: _Entry, dyn: list[Any], lower: Any) -> tuple[list[Any], Any]:
+def _call(
+  entry: _Entry, dyn: list[Any], lower: Any, follows: Sequence[bool] | None = None
+) -> tuple[list[Any], Any]:
   """The op on ``dyn`` cast by its rule: its flat outputs and their treedef."""
   primary = dyn[entry.primary] if entry.primary is not None else None
-  args, kwargs = rebuild(
-    entry.treedef, entry.template, entry.dyn_idx, _cast_inputs(entry.rule, dyn, lower)
-  )
+  cast_dyn = _cast_inputs(entry.rule, dyn, lower, follows)
+  args, kwargs = rebuild(entry.treedef, entry.template, entry.dyn_idx, cast_dyn)
   with _TRACING(None):  # autocast is off inside the op: a nested op runs as itself
     out = entry.fn(*args, **kwargs)
   leaves, tree = jax.tree_util.tree_flatten(out)
@@ -196,7 +207,7 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # jax.vmap, jvp, partial evaluation or transposition, which its name describes.
   entry = _lookup(eqn.params["jaxpr"])
   if entry is not None:
-    outs, _ = _call(entry, [v.x for v in ins], interp.dtype)
+    outs, _ = _call(entry, [v.x for v in ins], interp.dtype, [v.facts.follows for v in ins])
   else:
     outs = _transformed(interp, meta, eqn, ins)
   lowp = meta.rule == LOWER
