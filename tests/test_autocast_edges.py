@@ -558,3 +558,33 @@ def test_a_promote_op_lets_a_converted_mask_follow_as_an_inline_product_does():
   assert inline.dtype == plain.dtype == mapped.dtype == jnp.float16
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(inline))
   np.testing.assert_array_equal(np.asarray(mapped), np.asarray(inline))
+
+
+def test_a_float32_compute_op_under_vmap_restores_its_float_outputs_only():
+  # "float32_compute": the outputs shaped like the primary input come back in its dtype,
+  # the float ones only (an int32 output of that shape stays int32), under vmap too; and
+  # a primary input the model itself keeps in float16 is restored as well.
+  op = jls.autocast_op(
+    lambda a: ((a - a.mean()) * 2, (a > 0).astype(jnp.int32)), rule="float32_compute"
+  )
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  for f in (
+    lambda x, w: jax.vmap(op)(x @ w),
+    lambda x, w: jax.vmap(op)((x @ w).astype(jnp.float16)),
+  ):
+    norm, sign = jls.autocast(f)(x, w)
+    assert norm.dtype == jnp.float16 and sign.dtype == jnp.int32, (norm.dtype, sign.dtype)
+    h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+    expected = ((h - h.mean(axis=1, keepdims=True)) * 2).astype(jnp.float16)
+    np.testing.assert_array_equal(np.asarray(norm), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(sign), np.asarray(h > 0, np.int32))
+
+
+def test_a_lower_op_under_vmap_casts_its_float_outputs_only():
+  op = jls.autocast_op(lambda a: (a * 2, (a > 0).astype(jnp.int32)), rule="lower")
+  x, w = _rand(0, (2, 3)), _rand(1, (3, 4))
+  doubled, sign = jls.autocast(lambda x, w: jax.vmap(op)(x @ w))(x, w)
+  assert doubled.dtype == jnp.float16 and sign.dtype == jnp.int32, (doubled.dtype, sign.dtype)
+  h = x.astype(jnp.float16) @ w.astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(doubled), np.asarray(h * 2))
+  np.testing.assert_array_equal(np.asarray(sign), np.asarray(h > 0, np.int32))
