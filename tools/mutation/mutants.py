@@ -1027,6 +1027,18 @@ EQUIVALENT: dict[str, str] = {
     "every outvar is a Var (DropVar is a subclass); a DropVar is never read (it is never an "
     "eqn invar or a jaxpr outvar), so the extra env entry is unobservable"
   ),
+  "_composite:_marker_call:if-false:7ca2": (
+    "rebuild puts the dynamic leaves back at dyn_idx over the template, so a template that "
+    "also holds them gives the same call (it only keeps those arrays alive with the entry)"
+  ),
+  "_composite:_marker_call:if-true:c040": (
+    "primary is None for every rule but float32_compute, and the primary position is read "
+    "for that rule only (_restore_primary, _transformed); what it becomes otherwise (the "
+    "position of a keyword array, or None) changes the marker's name and nothing it computes"
+  ),
+  "_composite:_marker_call.traced:if-true:126f": (
+    "`traced` is alive while it runs (jit holds it), so its weak reference never returns None there"
+  ),
   "_composite:_register.forget:if-true:6499": (
     "the guard only matters if another call were registered under the dead jaxpr's id "
     "before its callback ran; a weakref's callback runs while its referent is freed, "
