@@ -27,6 +27,12 @@ the killing test's code (its test file without the other tests) is the same,
 so adding tests re-runs only the survivors and the kills they could affect.
 ``--no-result-cache`` runs everything.
 
+The test that last killed each generated mutant is committed in ``killers.json``
+(by name) and runs first among the mutant's tests, so a run on changed sources or
+on a fresh machine kills most mutants with one test instead of escalating to the
+covering ones; a hint that no longer kills is forgotten. A mutant explained in
+``EQUIVALENT`` runs its chosen tests only, never the escalation.
+
 A mutant is *killed* when its tests fail (or time out), *survived* when they
 pass (or when no test runs its line), and *equivalent* when it survives and
 its name is explained in ``EQUIVALENT`` (generated) or carries an
@@ -81,6 +87,10 @@ from mutants import PINNED  # noqa: E402
 from mutants import Mutant  # noqa: E402
 
 REPORT = os.path.join(HERE, "mutation-report.md")
+# The test that last killed each generated mutant, by name: committed, so that a run on
+# changed sources (a fresh machine, an edited module) tries it first. A hint is only an
+# order: it is run on the mutant as any selected test is, and a kill is still a kill.
+KILLERS = os.path.join(HERE, "killers.json")
 CACHE = os.path.join(ROOT, ".mutate-cache")
 # The tests whose coverage selects the generated mutants' tests: the in-process
 # suite. Left out: tests that run their code in subprocesses (coverage cannot
@@ -407,6 +417,37 @@ def _result_key(copy: str, task: dict, package_key: str) -> str:
   return h.hexdigest()[:24]
 
 
+def load_killers() -> dict[str, str]:
+  """The killers file: mutant name -> the node id of the test that last killed it."""
+  if not os.path.exists(KILLERS):
+    return {}
+  with open(KILLERS) as f:
+    return json.load(f)
+
+
+def save_killers(killers: dict[str, str]) -> None:
+  with open(KILLERS, "w") as f:
+    json.dump(dict(sorted(killers.items())), f, indent=0)
+    f.write("\n")
+
+
+def update_killers(killers: dict[str, str], r: dict) -> bool:
+  """Records the generated mutant ``r``'s killer, or forgets a hint it survived; True if changed."""
+  if r["kind"] != "generated":
+    return False
+  name = r["name"]
+  if r["status"] == "killed":
+    killer = _killer(r["output"])
+    if killer and killers.get(name) != killer:
+      killers[name] = killer
+      return True
+  elif r["status"] in ("survived", "equivalent") and name in killers:
+    if killers[name] in (*r["tests"], *r.get("more_tests", ())):
+      del killers[name]  # it ran, and no longer kills
+      return True
+  return False
+
+
 def _killer(output: str) -> str | None:
   """The node id of the test that failed first, from pytest's short summary."""
   found = re.search(r"(?:FAILED|ERROR) (tests/\S+\.py::\S+)", output)
@@ -651,6 +692,7 @@ def main(argv=None) -> int:
         )
         return 2
     tasks = [_hand_task(m) for m in hand]
+    killers = load_killers()
     cov = None
     if generated and args.tests:  # the tests are given: no coverage map needed
       tasks += [_generated_task(m, tuple(args.tests)) for m in generated]
@@ -670,9 +712,13 @@ def main(argv=None) -> int:
       for m in generated:
         near = affinity(m.file)
         tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, near)
-        tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + tests))  # pinned ones first
+        # Pinned ones first, then the last killer (while the suite still has it).
+        hint = tuple(t for t in (killers.get(m.name),) if t in cov["durations"])
+        tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + hint + tests))
         more = ()
-        if args.escalate_tests > 0:
+        if args.escalate_tests > 0 and m.name not in EQUIVALENT:
+          # An explained mutant runs its chosen tests only: the escalation exists
+          # to find a kill, and for an equivalent mutant none is expected.
           more = mutagen.tests_for(m, cov, args.escalate_tests, args.escalate_budget, near)
         tasks.append(_generated_task(m, tests, more))
     selection.append(
@@ -708,6 +754,8 @@ def main(argv=None) -> int:
         killed = r["rc"] != 0 and r["rc"] not in _BAD_SELECTION
         r["status"] = "killed" if killed else ("equivalent" if r["equivalent"] else "survived")
         results.append(r)
+        if update_killers(killers, r):
+          save_killers(killers)
         first = r["output"].splitlines()[0] if r["output"] else ""
         print(
           f"[{i}/{len(tasks)}] {r['name']}: {r['status']} ({r['seconds']:.0f} s"
