@@ -181,6 +181,40 @@ def pytest_env(copy: str) -> dict[str, str]:
 _BAD_SELECTION = (4, 5)
 
 
+class Zygote:
+  """A warm Python for one copy (``zygote.py``): each pytest run is a fork of it."""
+
+  def __init__(self, copy: str):
+    self.out = os.path.join(copy, ".zygote-out.txt")
+    self.proc = subprocess.Popen(
+      [sys.executable, os.path.join(HERE, "zygote.py")],
+      cwd=copy,
+      env=pytest_env(copy),
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+    )
+    ready = self.proc.stdout.readline()
+    if not ready.strip():
+      raise RuntimeError("mutate: the zygote did not start (see its stderr above)")
+
+  def run(self, args: list[str], timeout: float) -> tuple[int, str]:
+    req = {"args": args, "out": self.out, "timeout": timeout}
+    self.proc.stdin.write(json.dumps(req) + "\n")
+    self.proc.stdin.flush()
+    rc = json.loads(self.proc.stdout.readline())["rc"]
+    with open(self.out, errors="replace") as f:
+      return rc, f.read()
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait(timeout=60)
+
+
+#: The zygote of each copy, with ``--zygote`` (one thread uses a copy at a time).
+_ZYGOTES: dict[str, Zygote] = {}
+
+
 def run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[int, str, float]:
   """(pytest exit code, summary lines, seconds) of pytest over ``tests`` in the copy.
 
@@ -200,16 +234,22 @@ def run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[int, s
     *tests,
   ]
   t0 = time.perf_counter()
-  try:
-    out = subprocess.run(
-      cmd, cwd=copy, env=pytest_env(copy), capture_output=True, text=True, timeout=timeout
-    )
-  except subprocess.TimeoutExpired:
-    return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
+  zygote = _ZYGOTES.get(copy)
+  if zygote is not None:
+    rc, text = zygote.run(cmd[3:], timeout)
+    if rc == -1:
+      return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
+  else:
+    try:
+      out = subprocess.run(
+        cmd, cwd=copy, env=pytest_env(copy), capture_output=True, text=True, timeout=timeout
+      )
+    except subprocess.TimeoutExpired:
+      return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
+    rc, text = out.returncode, out.stdout + out.stderr
   dt = time.perf_counter() - t0
-  lines = (out.stdout + out.stderr).strip().splitlines()
+  lines = text.strip().splitlines()
   failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-  rc = out.returncode
   if rc in _BAD_SELECTION and any(ln.startswith("ERROR tests/") for ln in failed):
     # A test module that fails to import (the mutant breaks module-level code)
     # leaves its node ids unselectable: exit code 4, but a kill, as the same
@@ -591,6 +631,11 @@ def main(argv=None) -> int:
     help="run every mutant even if the cache holds its result for the same sources",
   )
   parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
+  parser.add_argument(
+    "--no-zygote",
+    action="store_true",
+    help="a fresh Python per pytest run, not a fork of a warm one (tools/mutation/zygote.py)",
+  )
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant at most")
   parser.add_argument(
     "--report",
@@ -677,6 +722,9 @@ def main(argv=None) -> int:
       print("; ".join(selection) + "; all snippets match exactly once")
       return 0
     check_imports_from_copy(copy)
+    if not args.no_zygote:
+      for c in copies:
+        _ZYGOTES[c] = Zygote(c)
     if hand and not args.no_baseline:
       tests = tuple(sorted({t for m in hand for t in m.tests}))
       rc, output, baseline_s = run_tests(copy, tests, args.timeout * 4)
@@ -766,6 +814,9 @@ def main(argv=None) -> int:
         if r["status"] == "survived" or (r["status"] == "killed" and r["equivalent"]):
           print(f"    {r['why']}; tests: {' '.join(r['tests']) or 'none'}", flush=True)
           print("    " + r["output"].replace("\n", "\n    "), flush=True)
+    for z in _ZYGOTES.values():
+      z.close()
+    _ZYGOTES.clear()
   total = time.perf_counter() - t_start
   line = summary_line(results)
   sized = bool(
