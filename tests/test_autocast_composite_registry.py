@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import weakref
 
+from helpers import rand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,3 +253,54 @@ def test_a_lower_ops_output_of_the_other_half_dtype_is_not_its_result():
   np.testing.assert_array_equal(np.asarray(other), h * 2 + np.asarray(b))
   expected = jnp.asarray(h * 2, jnp.bfloat16) + b.astype(jnp.bfloat16)  # rounded in bfloat16
   np.testing.assert_array_equal(np.asarray(same), np.asarray(expected))
+
+
+def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_it_is():
+  # The primary is a float16 input of the model (autocast did not cast it) and a float32
+  # parameter comes in next to it: the batched op's output takes the primary's float16,
+  # as each plain call's does.
+  op = jls.autocast_op(lambda a, s: (a - a.mean()) * s, rule="float32_compute")
+  h, s = rand(0, (4, 6)).astype(jnp.float16), rand(1, (6,))
+
+  def f(h, s):
+    return jax.vmap(lambda r: op(r, s))(h), jnp.stack([op(r, s) for r in h])
+
+  mapped, looped = jls.autocast(f)(h, s)
+  assert mapped.dtype == looped.dtype == F16
+  a = h.astype(jnp.float32)
+  expected = ((a - a.mean(axis=1, keepdims=True)) * s).astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(looped), np.asarray(expected))
+  np.testing.assert_array_equal(np.asarray(mapped), np.asarray(expected))
+
+
+def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals():
+  # Differentiated inside the autocast function, the op's backward runs in float32 on the
+  # float32 values its forward saved (tanh(a) here, shaped like the primary): the
+  # gradient is the float32 one, rounded once to the primary's float16.
+  fun = lambda a: jnp.tanh(a) * a
+  op = jls.autocast_op(fun, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def f(x, w):
+    h = x @ w
+    return h, jax.grad(lambda h: jnp.sum(op(h)))(h)
+
+  h, grad = jls.autocast(f)(x, w)
+  assert h.dtype == grad.dtype == F16
+  _, vjp = jax.vjp(fun, h.astype(jnp.float32))
+  (expected,) = vjp(jnp.ones(h.shape, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(jnp.float16)))
+
+
+def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():
+  # The primary argument is static (a Python number here): there is no dtype to restore,
+  # and the outputs are the float32 computation's.
+  @jls.autocast_op(rule="float32_compute", primary=1)
+  def op(a, eps):
+    return a / (jnp.abs(a).max() + eps)
+
+  x, w = rand(0, (3, 4)), rand(1, (4, 5))
+  out = jls.autocast(lambda x, w: op(x @ w, 0.5))(x, w)
+  assert out.dtype == F32
+  a = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(a / (jnp.abs(a).max() + 0.5)))
