@@ -4,11 +4,15 @@ A step traced on this CPU machine and lowered for CUDA (``jax.export`` with
 ``platforms=["cuda"]``; no GPU or CUDA plugin needed) must get cuDNN's fused attention, as on a
 GPU; lowered for the CPU, the XLA implementation in float32. ``implementation=None`` falls
 back to the XLA implementation where cuDNN cannot take the inputs, as JAX's does, and logs
-why; an explicit ``implementation="cudnn"`` that cannot be met raises, as JAX's does.
+why; an explicit ``implementation="cudnn"`` that cannot be met raises, as JAX's does, and an
+explicit ``implementation="xla"`` is XLA's there too. The keyword arguments reach the kernel
+of each platform (``jit`` traces every branch), and what autocast does not cast (a float64
+bias) reaches JAX's attention as it is.
 """
 
 import contextlib
 import logging
+import re
 
 import jax
 from jax._src.cudnn import fused_attention_stablehlo
@@ -139,3 +143,74 @@ def test_its_keyword_arguments_reach_jaxs_attention_in_every_dtype():
     f = jls.autocast(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), dtype)
     out = np.asarray(f(q, k, v), np.float32)
     np.testing.assert_allclose(out, np.asarray(causal), rtol=tol, atol=tol, err_msg=str(dtype))
+
+
+def _cudnn_configs(text):
+  """The backend configs of the cuDNN attention calls in a lowered module's text."""
+  return re.findall(rf'custom_call @{re.escape(CUDNN)}\w*\(.*?backend_config = "(.*?)"', text)
+
+
+def test_lowered_for_cuda_cudnn_gets_the_keyword_arguments():
+  # is_causal and scale reach cuDNN's kernel: its call is the one JAX's own cuDNN attention
+  # makes on the float16 inputs (a causal mask, the scale given).
+  def attention(**implementation):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, scale=0.25, **implementation
+    )
+
+  q, k, v = _qkv()
+  half = [a.astype(jnp.float16) for a in (q, k, v)]
+  with cudnn_version():
+    ours = jax.jit(jls.autocast(attention(), jnp.float16)).trace(q, k, v)
+    theirs = jax.jit(attention(implementation="cudnn")).trace(*half)
+    ours, theirs = (s.lower(lowering_platforms=("cuda",)).as_text() for s in (ours, theirs))
+  (config,) = _cudnn_configs(theirs)
+  assert r"\22mask_type\22: \22CAUSAL\22" in config and r"\22fmha_scale\22: 0.25" in config
+  assert _cudnn_configs(ours) == [config]
+
+
+def test_an_explicit_xla_implementation_lowered_for_cuda_is_not_cudnn():
+  with cudnn_version():  # cuDNN would take these inputs
+    text = _lowered(jls.autocast(_model(implementation="xla"), jnp.float16), _qkv(), "cuda")
+  assert CUDNN not in text
+  assert "stablehlo.dot_general" in text
+
+
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_return_residual_gives_jaxs_pair_in_the_half_dtype(maybe_jit, implementation):
+  # return_residual (a keyword that changes what the attention returns) reaches JAX's
+  # attention on every platform's branch: jit traces them all.
+  def f(q, k, v):
+    return jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, return_residual=True, implementation=implementation
+    )
+
+  q, k, v = _qkv(head_dim=8)
+  out, residual = maybe_jit(jls.autocast(f, jnp.float16))(q, k, v)
+  assert (out.dtype, residual.dtype) == (jnp.float16, jnp.float16)
+  assert (out.shape, residual.shape) == (q.shape, q.shape[:-1])
+  half = [a.astype(jnp.float16).astype(jnp.float32) for a in (q, k, v)]
+  with jax.numpy_dtype_promotion("standard"):
+    expected = jax.nn.dot_product_attention(*half, is_causal=True, return_residual=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected[0].astype(jnp.float16)))
+  np.testing.assert_array_equal(np.asarray(residual), np.asarray(expected[1].astype(jnp.float16)))
+
+
+def test_a_float64_bias_reaches_jaxs_attention_uncast(maybe_jit):
+  # Autocast never casts float64 (as torch): with x64 on, a float64 bias is added to the
+  # float32 logits of the CPU's attention in float64. Here that sum rounds up to the next
+  # float32 (2**24 + 1 + 2**-25 is past the tie), where the bias first rounded to float32
+  # would tie to even: the logits then differ by 2.
+  q = jnp.ones((1, 1, 1, 1), jnp.float32)
+  k = jnp.ones((1, 2, 1, 1), jnp.float32)
+  v = jnp.asarray([1.0, 0.0], jnp.float32).reshape(1, 2, 1, 1)
+  attention = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, scale=2.0**24)
+  with jax.enable_x64(True):
+    bias = jnp.asarray([1 + 2.0**-25, 0.0], jnp.float64).reshape(1, 1, 1, 2)
+    out = maybe_jit(jls.autocast(attention, jnp.float16))(q, k, v, bias)
+    with jax.numpy_dtype_promotion("standard"):
+      expected = attention(q, k, v, bias)  # q, k and v are exact in float16
+      rounded = attention(q, k, v, bias.astype(jnp.float32))
+  assert out.dtype == jnp.float16
+  assert float(rounded[0, 0, 0, 0]) == 0.5  # the test's premise: the float32 bias ties
+  assert out[0, 0, 0, 0] == expected[0, 0, 0, 0].astype(jnp.float16) == jnp.float16(0.881)

@@ -10,12 +10,18 @@ raised "registration is gone" there).
 Compiling is most of the time here (tracing a call costs about a millisecond): the
 distinct calls are traced 250 to an autocast function, each compiled once, at XLA's
 lowest optimisation level.
+
+Then the op itself: its arguments refused when ``autocast_op`` is called, its keyword
+arguments outside autocast, the facts of its outputs (a ``"lower"`` op's result takes a
+float32 bias of lower rank in the autocast dtype, as a matmul's) and its
+``"float32_compute"`` rule under ``vmap`` and ``grad``.
 """
 
 import dataclasses
 import gc
 import weakref
 
+from helpers import rand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +32,7 @@ from jax_lossscale._autocast import _composite
 from jax_lossscale._autocast import _registrations
 from jax_lossscale._autocast._errors import AutocastError
 
-F16 = np.dtype(jnp.float16)
+F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 N_CALLS = 1000  # distinct calls (input lengths) per kind of static argument
 CHUNK = 250  # calls per autocast function (one trace, one compilation)
 OLD_BOUND = 4096  # the LRU the registry was
@@ -171,3 +177,162 @@ def test_a_jax_that_names_the_marker_first_gets_a_marker_traced_again(monkeypatc
   (eqn,) = closed.jaxpr.eqns
   assert eqn.params["name"] == "jls_op_lower_pn_i1_o1_scaled"
   assert _composite._lookup(eqn.params["jaxpr"]) is not None
+
+
+# -- the op's arguments, its outputs' facts and its rules under transformations -----------
+
+
+@pytest.mark.parametrize(
+  ("make", "error", "match"),
+  [
+    (lambda: jls.autocast_op(3), TypeError, r"fun must be callable, got int\."),
+    (
+      lambda: jls.autocast_op(jnp.exp, "float32_compute", primary=-1),
+      ValueError,
+      r"primary must be >= 0, got -1\.",
+    ),
+    (lambda: jls.autocast_op(rule="float32_compute", primary=-2), ValueError, "primary must be"),
+  ],
+  ids=["fun", "primary", "primary of the decorator"],
+)
+def test_autocast_op_refuses_a_bad_argument_when_called_naming_it(make, error, match):
+  with pytest.raises(error, match=match):
+    make()
+
+
+def test_outside_autocast_the_op_gets_its_keyword_arguments():
+  op = jls.autocast_op(lambda a, *, scale=1.0, shift=0.0: a * scale + shift, rule="lower")
+  x = jnp.asarray([0.5, -1.5, 3.0], jnp.float16)
+  out = op(x, scale=jnp.float16(4), shift=jnp.float16(1))
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray([3.0, -5.0, 13.0], np.float16))
+
+
+def _whole(key, shape):
+  """float32 whole numbers in [-4, 4]: every product and sum here is exact in each dtype."""
+  return jax.random.randint(jax.random.key(key), shape, -4, 5).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_a_lower_ops_output_takes_a_float32_bias_of_lower_rank_in_its_dtype(dtype):
+  # A "lower" op's float outputs in the autocast dtype are lower-precision results, as a
+  # matmul's: a float32 parameter of lower rank added onto one is its bias and stays in
+  # the autocast dtype (as torch's linear). Its outputs of another dtype are not: a
+  # float32 one takes the bias in float32, an int32 one stays int32.
+  @jls.autocast_op(rule="lower")
+  def op(a):
+    return a * 2, jnp.sum(a.astype(jnp.float32), axis=-1), jnp.argmax(a, axis=-1)
+
+  x, w, b, c = _whole(0, (3, 4)), _whole(1, (4, 5)), _whole(2, (5,)), _whole(3, (3,)) / 8
+
+  def f(x, w, b, c):
+    doubled, total, idx = op(x @ w)
+    return doubled + b, total + c, idx
+
+  biased, total, idx = jls.autocast(f, dtype)(x, w, b, c)
+  assert (biased.dtype, total.dtype, idx.dtype) == (np.dtype(dtype), F32, np.dtype(jnp.int32))
+  h = np.asarray(x) @ np.asarray(w)  # whole numbers: the same in every dtype
+  np.testing.assert_array_equal(np.asarray(biased, np.float32), h * 2 + np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(total), h.sum(axis=-1) + np.asarray(c))
+  np.testing.assert_array_equal(np.asarray(idx), h.argmax(axis=-1))
+
+
+def test_a_lower_ops_output_of_the_other_half_dtype_is_not_its_result():
+  # Under a bfloat16 autocast, a float16 output of a "lower" op is not a lower-precision
+  # result: a float32 bias of lower rank promotes it to float32.
+  op = jls.autocast_op(lambda a: (a * 2, (a * 2).astype(jnp.float16)), rule="lower")
+  x, w, b = _whole(0, (3, 4)), _whole(1, (4, 5)), _whole(2, (5,)) / 8
+
+  def f(x, w, b):
+    same, other = op(x @ w)
+    return same + b, other + b
+
+  same, other = jls.autocast(f, jnp.bfloat16)(x, w, b)
+  assert (same.dtype, other.dtype) == (np.dtype(jnp.bfloat16), F32)
+  h = np.asarray(x) @ np.asarray(w)
+  np.testing.assert_array_equal(np.asarray(other), h * 2 + np.asarray(b))
+  expected = jnp.asarray(h * 2, jnp.bfloat16) + b.astype(jnp.bfloat16)  # rounded in bfloat16
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(expected))
+
+
+def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_it_is():
+  # The primary is a float16 input of the model (autocast did not cast it) and a float32
+  # parameter comes in next to it: the batched op's output takes the primary's float16,
+  # as each plain call's does.
+  op = jls.autocast_op(lambda a, s: (a - a.mean()) * s, rule="float32_compute")
+  h, s = rand(0, (4, 6)).astype(jnp.float16), rand(1, (6,))
+
+  def f(h, s):
+    return jax.vmap(lambda r: op(r, s))(h), jnp.stack([op(r, s) for r in h])
+
+  mapped, looped = jls.autocast(f)(h, s)
+  assert mapped.dtype == looped.dtype == F16
+  a = h.astype(jnp.float32)
+  expected = ((a - a.mean(axis=1, keepdims=True)) * s).astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(looped), np.asarray(expected))
+  np.testing.assert_array_equal(np.asarray(mapped), np.asarray(expected))
+
+
+def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals():
+  # Differentiated inside the autocast function, the op's backward runs in float32 on the
+  # float32 values its forward saved (tanh(a) here, shaped like the primary): the
+  # gradient is the float32 one, rounded once to the primary's float16.
+  fun = lambda a: jnp.tanh(a) * a
+  op = jls.autocast_op(fun, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def f(x, w):
+    h = x @ w
+    return h, jax.grad(lambda h: jnp.sum(op(h)))(h)
+
+  h, grad = jls.autocast(f)(x, w)
+  assert h.dtype == grad.dtype == F16
+  _, vjp = jax.vjp(fun, h.astype(jnp.float32))
+  (expected,) = vjp(jnp.ones(h.shape, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(jnp.float16)))
+
+
+def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():
+  # The primary argument is static (a Python number here): there is no dtype to restore,
+  # and the outputs are the float32 computation's.
+  @jls.autocast_op(rule="float32_compute", primary=1)
+  def op(a, eps):
+    return a / (jnp.abs(a).max() + eps)
+
+  x, w = rand(0, (3, 4)), rand(1, (4, 5))
+  out = jls.autocast(lambda x, w: op(x @ w, 0.5))(x, w)
+  assert out.dtype == F32
+  a = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(a / (jnp.abs(a).max() + 0.5)))
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="a float32_compute op under jax.jvp inside autocast: its primal outputs shaped like "
+  "the primary come back float16, their tangents stay float32 (jax.linearize gives float16)",
+)
+def test_a_float32_compute_ops_tangents_take_their_primals_dtype_under_jvp():
+  op = jls.autocast_op(lambda a: (jnp.tanh(a) * a, a * 2), rule="float32_compute")
+  x, w = rand(0, (3, 4)), rand(1, (4, 5))
+  primals, tangents = jls.autocast(lambda x, w: jax.jvp(op, (x @ w,), (x @ w,)))(x, w)
+  assert [p.dtype for p in primals] == [F16, F16]
+  assert [t.dtype for t in tangents] == [F16, F16]
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="a promote op under vmap runs its jaxpr on the actual dtypes with autocast off: a "
+  "float32 input that reaches no float operation of the op (only its argmax here) does not "
+  "promote the float16 one, as the plain call's promotion does",
+)
+def test_a_promote_op_under_vmap_promotes_as_its_plain_call():
+  op = jls.autocast_op(lambda a, t: a * jnp.argmax(t).astype(a.dtype), rule="promote")
+  x, w, s = rand(0, (4, 3)), rand(1, (3, 5)), rand(2, (5,))
+
+  def f(x, w, s):
+    h = x @ w
+    return jnp.stack([op(r, s) for r in h]), jax.vmap(lambda r: op(r, s))(h)
+
+  looped, mapped = jls.autocast(f)(x, w, s)
+  assert looped.dtype == F32  # "promote": the widest float dtype among the inputs
+  assert mapped.dtype == F32

@@ -12,6 +12,7 @@ import types
 
 import jax
 import jax.extend.core as jex
+import jax.extend.source_info_util as jsi
 import numpy as np
 import pytest
 
@@ -146,6 +147,22 @@ def test_an_unhandled_higher_order_primitive_raises_naming_it():
   eqn = types.SimpleNamespace(primitive=prim, params={}, source_info=None)
   interp = _interpreter.Interpreter(jax.numpy.float16, _policy.check_policy(None))
   with pytest.raises(UnsupportedPrimitiveError, match=rf"`{prims.UNHANDLED[0]}`"):
+    interp.eval_eqn(eqn, [])
+
+
+def test_an_equation_with_no_user_frame_is_named_without_a_location():
+  # An equation built with JAX's empty source info (no frame of the user's to show) names
+  # the primitive and no " (at ...)"; one traced from a function of this file names its line.
+  prim = prims.by_name(prims.UNHANDLED[0])
+  interp = _interpreter.Interpreter(jax.numpy.float16, _policy.check_policy(None))
+  eqn = types.SimpleNamespace(primitive=prim, params={}, source_info=jsi.new_source_info())
+  with pytest.raises(UnsupportedPrimitiveError) as raised:
+    interp.eval_eqn(eqn, [])
+  message = str(raised.value)
+  assert f"higher-order primitive `{prims.UNHANDLED[0]}`: it does not know" in message, message
+  (traced,) = jax.make_jaxpr(lambda x: jax.numpy.sin(x))(1.0).eqns
+  eqn = types.SimpleNamespace(primitive=prim, params={}, source_info=traced.source_info)
+  with pytest.raises(UnsupportedPrimitiveError, match=r"` \(at .*test_autocast_primitives\.py"):
     interp.eval_eqn(eqn, [])
 
 
