@@ -237,6 +237,8 @@ def run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[int, s
   zygote = _ZYGOTES.get(copy)
   if zygote is not None:
     rc, text = zygote.run(cmd[3:], timeout)
+    if rc == 70:  # zygote.CHILD_FAILED: pytest never ran
+      raise RuntimeError(f"mutate: the zygote's child could not run pytest:\n{text[-3000:]}")
     if rc == -1:
       return -1, f"timed out after {timeout:.0f} s", time.perf_counter() - t0
   else:

@@ -23,6 +23,9 @@ import signal
 import sys
 import time
 
+#: The exit code of a child that could not run pytest at all (never a kill).
+CHILD_FAILED = 70
+
 _WARM = (
   "numpy",
   "jax",
@@ -40,7 +43,7 @@ _WARM = (
 
 def _run(args: list[str], out: str) -> None:
   """The child: pytest over ``args`` with stdout and stderr in ``out``; never returns."""
-  rc = 3
+  rc = CHILD_FAILED
   try:
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -48,7 +51,9 @@ def _run(args: list[str], out: str) -> None:
     os.close(fd)
     import pytest
 
-    rc = int(pytest.main(args))
+    # The plugins imported above (jaxtyping's, through equinox) are not rewritten for
+    # assertions again: pytest warns of it, and the suite turns warnings into errors.
+    rc = int(pytest.main(["-W", "ignore::pytest.PytestAssertRewriteWarning", *args]))
   except BaseException as e:  # anything the child raises is its exit code
     print(f"zygote child: {type(e).__name__}: {e}", flush=True)
   finally:
