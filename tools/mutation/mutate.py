@@ -763,7 +763,9 @@ def main(argv=None) -> int:
         near = affinity(m.file)
         tests = mutagen.tests_for(m, cov, args.max_tests, args.test_budget, near)
         # Pinned ones first, then the last killer (while the suite still has it).
-        hint = tuple(t for t in (killers.get(m.name),) if t in cov["durations"])
+        hint = tuple(
+          t for t in (killers.get(m.name),) if t in cov["durations"] and t not in cov["failed"]
+        )
         tests = tuple(dict.fromkeys(PINNED.get(m.name, ()) + hint + tests))
         more = ()
         if args.escalate_tests > 0 and m.name not in EQUIVALENT:
