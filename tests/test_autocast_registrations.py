@@ -415,3 +415,122 @@ def test_the_guides_layer_table_holds_under_vmap():
 
   got = jls.autocast(model)(w, x, ids)
   assert {k: str(v.dtype) for k, v in got.items()} == want
+
+
+# -- the batch norms' call arguments and statistics --------------------------------------
+#
+# A registered batch norm is one op of the call as written: its keyword arguments reach
+# the module, its output is the float32 module's output on the float16 activation, cast
+# to float16, and the statistics a training call writes come back, bit for bit.
+
+
+def _half_activation(x, w):  # what autocast computes for `x @ w`, as float32
+  return (x.astype(F16) @ w.astype(F16)).astype(F32)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_linen_batch_norm_takes_its_call_keywords_and_writes_its_statistics(train):
+  nn = import_optional("flax.linen")
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, h, train):
+      return nn.BatchNorm(momentum=0.5)(h, use_running_average=not train)
+
+  net = Net()
+  x, w = rand(0, (B, D)), rand(1, (D, D), 0.5)
+  variables = net.init(jax.random.key(0), x, train=False)
+  mutable = ["batch_stats"] if train else False
+  out = jls.autocast(lambda v, x, w: net.apply(v, x @ w, train=train, mutable=mutable))(
+    variables, x, w
+  )
+  ref = jax.jit(lambda v, h: net.apply(v, h, train=train, mutable=mutable))(
+    variables, _half_activation(x, w)
+  )
+  if train:
+    (out, updates), (ref, ref_updates) = out, ref
+    stats = jax.tree.leaves(updates)
+    assert len(stats) == 2 and all(s.dtype == F32 for s in stats)
+    jax.tree.map(np.testing.assert_array_equal, updates, ref_updates)
+    assert not np.array_equal(updates["batch_stats"]["BatchNorm_0"]["mean"], np.zeros(D))
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(F16)))
+
+
+def test_a_linen_models_init_under_autocast_gives_the_models_variables():
+  # While `init` runs, the registered cells and batch norms are the modules as written
+  # (their variables are being created): the variables are init's, keywords included.
+  nn = import_optional("flax.linen")
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, h, train):
+      carry = (jnp.zeros((h.shape[0], 3)),) * 2
+      _, y = nn.LSTMCell(3)(carry, h)
+      return nn.BatchNorm()(y, use_running_average=not train)
+
+  net = Net()
+  x = rand(0, (B, D))
+  ref = net.init(jax.random.key(0), x, train=False)
+  got = jls.autocast(net.init)(jax.random.key(0), x, train=False)
+  assert jax.tree.structure(got) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    assert a.dtype == b.dtype == F32
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_batch_norm_inside_a_users_op_runs_as_written_with_its_keywords():
+  # Inside an autocast_op, autocast is off: a registered module there is the module as
+  # written, called with the keywords given (here, the running averages).
+  nn = import_optional("flax.linen")
+  nnx = import_optional("flax.nnx")
+  x, w = rand(0, (B, D)), rand(1, (D, D), 0.5)
+  h = _half_activation(x, w)
+
+  linen_bn = nn.BatchNorm(momentum=0.5)
+  variables = linen_bn.init(jax.random.key(0), x, use_running_average=True)
+  variables = jax.tree.map(lambda v: v + 0.25, variables)  # running stats that are not 0, 1
+  linen_op = jls.autocast_op(
+    lambda v, h: linen_bn.apply(v, h, use_running_average=True), rule="float32_compute", primary=1
+  )
+  out = jls.autocast(lambda v, x, w: linen_op(v, x @ w))(variables, x, w)
+  ref = jax.jit(lambda v, h: linen_bn.apply(v, h, use_running_average=True))(variables, h)
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(F16)))
+
+  nnx_bn = nnx.BatchNorm(D, use_running_average=False, rngs=nnx.Rngs(0))
+  nnx_op = jls.autocast_op(lambda h: nnx_bn(h, use_running_average=True), rule="float32_compute")
+  out = jls.autocast(lambda x, w: nnx_op(x @ w))(x, w)
+  ref = jax.jit(lambda h: nnx_bn(h, use_running_average=True))(h)
+  assert out.dtype == F16
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(F16)))
+  # the op read the running averages: no statistics were written
+  np.testing.assert_array_equal(np.asarray(nnx_bn.mean[...]), np.zeros(D, F32))
+
+
+def test_an_nnx_batch_norm_takes_its_call_keywords_and_writes_its_statistics():
+  nnx = import_optional("flax.nnx")
+  x, w = rand(0, (B, D)), rand(1, (D, D), 0.5)
+  h = _half_activation(x, w)
+
+  def make():
+    return nnx.BatchNorm(D, use_running_average=False, momentum=0.5, rngs=nnx.Rngs(0))
+
+  for kwargs in ({}, {"use_running_average": True}):
+    graphdef, state = nnx.split(make())
+
+    def f(state, x, w, kwargs=kwargs, graphdef=graphdef):
+      m = nnx.merge(graphdef, state)
+      return m(x @ w, **kwargs), nnx.state(m)
+
+    out, new_state = jls.autocast(f)(state, x, w)
+    ref_module = make()
+    ref = ref_module(h, **kwargs)
+    assert out.dtype == F16, kwargs
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(F16)), err_msg=str(kwargs))
+    # training wrote the statistics of the float16 activation; evaluation left them alone
+    for name in ("mean", "var"):
+      got, want = np.asarray(new_state[name][...]), np.asarray(ref_module.__dict__[name][...])
+      assert got.dtype == F32
+      np.testing.assert_array_equal(got, want, err_msg=f"{name} {kwargs}")
+    assert np.array_equal(np.asarray(new_state["mean"][...]), np.zeros(D)) == bool(kwargs)

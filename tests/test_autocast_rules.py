@@ -220,3 +220,15 @@ def test_a_bias_added_outside_a_higher_order_primitive_stays_in_the_matmuls_dtyp
   assert out.dtype == F16
   ref = X.astype(F16) @ W.astype(F16) + B.astype(F16)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-3)
+
+
+def test_log2_takes_the_rule_of_the_log_row():
+  # jnp.log2 is log then a div up to jax 0.10 and the primitive log2 from jax 0.11, which
+  # takes the rule of the `log` row (float32): a float16 operand is computed in float32.
+  f = lambda x, w: jnp.log2(jnp.abs(x @ w))
+  out = jls.autocast(f)(X, W)
+  assert out.dtype == F32
+  ref = jnp.log2(jnp.abs(X.astype(F16) @ W.astype(F16)).astype(F32))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  if hasattr(lax, "log2_p"):
+    assert jls.autocast(lambda x: lax.log2(x))(X.astype(F16)).dtype == F32
