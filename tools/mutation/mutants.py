@@ -1141,6 +1141,51 @@ EQUIVALENT: dict[str, str] = {
   "_higher_order:_common_consts:if-false:6da5": (
     "with no constants, re-tracing each branch through jaxpr_as_fun gives the same jaxpr (compared, with the HLO names, under nested scopes, jit and checkpoint on jax 0.10 and 0.12)"
   ),
+  # session 10: _policy, _primitives, _registrations
+  "_policy:_default_policy:if-false:56b6": (
+    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/test_autocast_rules.py::test_log2_takes_the_rule_of_the_log_row kills it"
+  ),
+  "_policy:nearest:drop-kwarg:cutoff:cbd9": ("0.6 is difflib.get_close_matches' default cutoff"),
+  "_policy:nearest:drop-kwarg:n:aaba": ("3 is difflib.get_close_matches' default n"),
+  "_primitives:higher_order.register:drop-kwarg:handled:5efd": (
+    "the extra names that handled=True adds are exactly the declared handlers, which the `or` already checks"
+  ),
+  "_primitives:_all_kinds:if-true:3414": (
+    "as _primitives:higher_order.register:drop-kwarg:handled:5efd: register is the only caller that passes handled=False"
+  ),
+  "_primitives:_exported:if-false:7962": (
+    "no registry name ending in _p (mosaic_gpu_p, reduced_vary_cast_p, vary_unreduced_cast_p) is exported by jax.lax or jax.extend.core.primitives, and a user key such as exp_p fails the prim.name == name check either way"
+  ),
+  "_primitives:kind:if-false:a914": (
+    "the by-object and by-name indexes are disjoint (a name is indexed once, by object if exported, else by name), so a namesake reaches _BY_NAME.get, which returns None anyway"
+  ),
+  "_primitives:by_name:if-true:4088": (
+    "stand-ins are only ever looked up by name (kind() through _BY_NAME, the interpreter through the policy by name), never by identity, so a fresh stand-in per call changes nothing"
+  ),
+  "_registrations:_method.make:if-false:7102": (
+    "only the float32_compute registration (Equinox BatchNorm) uses primary, and it passes primary=1; op_wrapper ignores primary for every other rule"
+  ),
+  "_registrations:_nnx.make.split_call:if-true:727f": (
+    "`before` is used only when stats is True, and `if not stats: return out` comes first"
+  ),
+  "_registrations:_nnx.make.split_call:reduce:any->all:9135": (
+    "NNX BatchNorm, the only stats=True registration, writes both of its BatchStat leaves (mean, var) in training and neither in evaluation, so any and all agree"
+  ),
+  "_registrations:_nnx.make.method:if-false:a28a": (
+    "with autocast off (inside an op) the op calls split_call directly: split, merge, the same call, the statistics written back with nnx.update; the same output and module state"
+  ),
+  "_registrations:_Static.__eq__:cmp-negate:2fe5": (
+    "a _Static is only a static leaf of an op's template, held in its marker's closure; nothing compares two of them (each call makes a new marker jit, and autocast's own cache never sees one)"
+  ),
+  "_registrations:_linen.make.apply_call:drop-kwarg:method:301a": (
+    "every linen registration is __call__, which is apply's default method, and the installed wrapper calls the original with autocast off inside the op"
+  ),
+  "_registrations:_linen.make.method:drop-kwarg:parent:08be": (
+    "Module.apply re-parents the module it runs (module.clone(parent=scope, _deep_clone=True)), so the clone's parent is never used"
+  ),
+  "_registrations:_resolve:if-false:e726": (
+    "when the module is None, getattr(None, p, None) and hasattr(None, attr) find nothing, so it still returns None"
+  ),
 }
 
 
