@@ -1,7 +1,8 @@
 """The autocast interpreter, rule by rule (``jax_lossscale/_autocast/_interpreter.py``).
 
 Each test pins one documented behaviour of ``docs/guides/autocast.md`` through the public
-API (``jls.autocast``), with exact dtypes and values computed by hand:
+API (``jls.autocast``, ``jls.autocast_op``, ``check_underflow``), with exact dtypes and
+values computed by hand:
 
 * the kinds: ``sort`` (an independent primitive) keeps each operand in its own dtype; a
   policy entry by name for a primitive JAX exports no object for takes effect;
@@ -12,15 +13,22 @@ API (``jls.autocast``), with exact dtypes and values computed by hand:
 * conversions: a cast to another half dtype is honoured, a weak float made strong (an
   identity of the model) is not;
 * torch's categories: a rank-0 array does not promote a dimensioned one, a weakly typed
-  array promotes nothing, two rank-0 arrays promote.
+  array promotes nothing, two rank-0 arrays promote;
+* check_underflow's taps: integer outputs of a lower-precision primitive are neither
+  tapped nor counted as unchecked, an op with a float and an integer output inside a loop
+  is counted, and a user's tap is a duplicate of an automatic one exactly when it is added
+  to a value with that output's gradient (a same-shape add, a reshape; not a tile, not a
+  scalar added to a larger array), however the tap itself is laid out.
 """
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_lossscale as jls
+from jax_lossscale.diagnostics import check_underflow
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -163,3 +171,130 @@ def test_a_weakly_typed_array_promotes_nothing_but_a_strong_rank0_one_promotes_a
   d16 = jnp.dot(u.astype(F16), v.astype(F16))
   _eq(f(u, v, weak), d16 * jnp.float16(2.5))
   _eq(f(u, v, strong), d16.astype(F32) * strong)
+
+
+# -- check_underflow's taps ------------------------------------------------------------
+
+
+def _acts(report):
+  return sorted(report.looked_at()["activations"])
+
+
+def test_an_integer_matmul_is_not_tapped():
+  # Only the float outputs of a lower-precision primitive are half-precision activations.
+  w, x = _rand(0, (8, 4)), _rand(1, (6, 8))
+  counts = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+
+  def loss(w, batch):
+    x, counts = batch
+    n = counts @ counts.T  # an integer matmul: dot_general, not tapped
+    return 1e-6 * jnp.sum(x @ w) + jnp.sum(n).astype(jnp.float32)
+
+  report = check_underflow(jls.autocast(loss), w, (x, counts))
+  assert _acts(report) == ["activations/dot_general#0"]
+  assert int(report.nonzero["activations/dot_general#0"]) == 6 * 4
+
+
+def test_an_integer_matmul_in_a_scan_is_not_counted_as_unchecked():
+  w, x = _rand(0, (8, 8), 0.3), _rand(1, (3, 4, 8))
+  c = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+
+  def loss(w, batch):
+    xs, c = batch
+
+    def step(carry, x):
+      n = c @ c  # an integer matmul: no half-precision output
+      return carry, jnp.tanh(x @ w) + jnp.sum(n).astype(jnp.float32)
+
+    return 1e-6 * jnp.sum(lax.scan(step, 0.0, xs)[1])
+
+  report = check_underflow(jls.autocast(loss), w, (x, c))
+  assert {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()} == {
+    "scan (3 iterations)": (1, 1)
+  }
+
+
+def test_an_op_with_a_float_and_an_integer_output_in_a_scan_is_counted_as_unchecked():
+  @jls.autocast_op(rule="lower")
+  def scores(x, w):
+    s = x @ w
+    return s, jnp.argmax(s, axis=-1)
+
+  w, x = _rand(0, (8, 8), 0.3), _rand(1, (3, 4, 8))
+
+  def loss(w, xs):
+    def step(carry, x):
+      s, idx = scores(x, w)
+      assert s.dtype == F32 and idx.dtype == jnp.int32  # as traced
+      return carry, jnp.tanh(s) * (idx > 3).astype(jnp.float32)[:, None]
+
+    return 1e-6 * jnp.sum(lax.scan(step, 0.0, xs)[1])
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  assert {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()} == {
+    "scan (3 iterations)": (1, 1)
+  }
+
+
+def _user_tapped(body, tap_shape):
+  """The activation names check_underflow reports for ``body(h, p, taps)``, ``h = x @ w``."""
+  w, x, r = _rand(0, (8, 4)), _rand(1, (6, 8)), _rand(2, (6, 4))
+
+  def loss(p, x, taps):
+    return 1e-6 * jnp.sum(body(x @ p["w"], p, taps))
+
+  report = check_underflow(
+    jls.autocast(loss),
+    {"w": w, "r": r, "v": _rand(3, (4,))},
+    x,
+    activations={"y": jnp.zeros(tap_shape)},
+  )
+  return _acts(report)
+
+
+AUTO = "activations/dot_general#0"
+
+
+@pytest.mark.parametrize(
+  "body",
+  [
+    lambda h, p, taps: h + taps["y"],
+    lambda h, p, taps: taps["y"] + h,  # the tap first
+    lambda h, p, taps: (h + p["r"]) + taps["y"],  # a same-shape add: h's gradient
+    lambda h, p, taps: (p["r"] + h) + taps["y"],
+    lambda h, p, taps: taps["y"] + (p["r"] + h),
+  ],
+  ids=["h+tap", "tap+h", "(h+r)+tap", "(r+h)+tap", "tap+(r+h)"],
+)
+def test_a_users_tap_on_a_value_with_a_tapped_outputs_gradient_counts_once(body):
+  assert _user_tapped(body, (6, 4)) == ["activations/y"]
+
+
+def test_a_users_tap_on_a_reshaped_tapped_output_counts_once():
+  # A reshape keeps the output's gradient (element for element): the automatic tap is
+  # a duplicate.
+  body = lambda h, p, taps: h.reshape(24) + taps["y"]
+  assert _user_tapped(body, (24,)) == ["activations/y"]
+
+
+def test_a_reshaped_users_tap_on_a_tapped_output_counts_once():
+  # The user's tap laid out (here reshaped to the activation's shape) is still the tap.
+  body = lambda h, p, taps: h + taps["y"].reshape(6, 4)
+  assert _user_tapped(body, (24,)) == ["activations/y"]
+
+
+def test_a_users_tap_on_a_tiled_tapped_output_is_another_activation():
+  # A tiled output's gradient is the sum of its copies', not the output's: both taps stay.
+  body = lambda h, p, taps: jnp.tile(h, (2, 1)) + taps["y"]
+  assert _user_tapped(body, (12, 4)) == [AUTO, "activations/y"]
+
+
+def test_a_users_tap_on_a_tapped_scalar_added_to_a_vector_is_another_activation():
+  # lax.add broadcasts a rank-0 operand: the sum is a vector whose gradient is not the
+  # scalar's (that is its sum), so the automatic tap of the dot stays.
+  def body(h, p, taps):
+    d = jnp.dot(h[0], p["v"])  # a tapped rank-0 output
+    return lax.add(d, p["v"]) + taps["y"]
+
+  names = _user_tapped(body, (4,))
+  assert names == ["activations/dot_general#0", "activations/dot_general#1", "activations/y"]
