@@ -1186,6 +1186,25 @@ EQUIVALENT: dict[str, str] = {
   "_registrations:_resolve:if-false:e726": (
     "when the module is None, getattr(None, p, None) and hasattr(None, attr) find nothing, so it still returns None"
   ),
+  # session 10: _interpreter
+  "_interpreter:Interpreter.first_order:if-true:951c": (
+    "_user_tap_meets returns None itself when there are no taps, so calling it without taps gives the same None"
+  ),
+  "_interpreter:Interpreter._layout:if-false:632b": (
+    "JAX's zeros_like primitive (ad_util.zeros_like_p) has no abstract-evaluation rule in jax 0.10 or 0.12 (binding it raises NotImplementedError), so no jaxpr holds it and the branch never runs"
+  ),
+  "_interpreter:Interpreter._layout:drop-kwarg:follows:1e52": (
+    "as _interpreter:Interpreter._layout:if-false:632b: the zeros_like branch never runs"
+  ),
+  "_interpreter:Interpreter._keep_lowp:if-false:366d": (
+    "lowp is read only by _bias_target and by cond's output rule, and both check dtype == interp.dtype themselves: a value that kept lowp wrongly is never the half side of a mixed-dtype bias add"
+  ),
+  "_interpreter:Interpreter._keep_lowp:drop-kwarg:lowp:a1de": (
+    "as _interpreter:Interpreter._keep_lowp:if-false:366d"
+  ),
+  "_interpreter:Interpreter.promote:if-false:9187": (
+    "a declared-dtype group whose members already share one actual dtype gets that dtype from both _bias_target and _torch_promotion, and cast does nothing to a value already in it: a fast path"
+  ),
 }
 
 
