@@ -148,6 +148,23 @@ def test_a_weak_float_made_strong_on_a_lowered_value_stays_float16():
   _eq(tanh, jnp.tanh(d16))
 
 
+def test_only_a_direct_conversion_of_an_integer_array_follows():
+  # A count converted to float follows the activation it meets (the guide's "a bool or
+  # integer array converted to float"); once it has been a float8 value it is a float
+  # value of its own, and a float32 one promotes the float16 activation as torch does.
+  x, w = _rand(0, (4, 8)), _rand(1, (8, 8))
+  c = jnp.arange(32, dtype=jnp.int32).reshape(4, 8)  # the output's rank: not a bias
+  direct = jls.autocast(lambda x, w, c: x @ w + c.astype(jnp.float32))(x, w, c)
+  assert direct.dtype == F16
+  _eq(direct, x.astype(F16) @ w.astype(F16) + c.astype(F16))
+  via_f8 = jls.autocast(lambda x, w, c: x @ w + c.astype(jnp.float8_e4m3fn).astype(jnp.float32))(
+    x, w, c
+  )
+  assert via_f8.dtype == jnp.float32
+  c32 = c.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+  _eq(via_f8, (x.astype(F16) @ w.astype(F16)).astype(jnp.float32) + c32)
+
+
 # -- torch's promotion categories -------------------------------------------------------
 
 
