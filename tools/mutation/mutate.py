@@ -311,7 +311,12 @@ def tree_of(head: bool) -> str:
     ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
   ).stdout.strip()
   commit = git("rev-parse", "--short", "HEAD")
-  dirty = not head and git("status", "--porcelain", "--untracked-files=no")
+  # killers.json is rewritten by the run itself: not a change of what is mutated.
+  dirty = not head and [
+    line
+    for line in git("status", "--porcelain", "--untracked-files=no").splitlines()
+    if not line.endswith("tools/mutation/killers.json")
+  ]
   return f"commit {commit}" + (" with uncommitted changes" if dirty else "")
 
 
@@ -669,6 +674,7 @@ def main(argv=None) -> int:
     for c in copies:
       os.makedirs(c)
       copy_repo(c, head=args.head)
+    tree = tree_of(args.head)  # what the copies hold, before anything can change
     copy = copies[0]
     errors = check_snippets(copy, list(MUTANTS))
     if errors:
@@ -831,7 +837,7 @@ def main(argv=None) -> int:
     # The committed report is a full run's; a sized run writes beside the cache.
     report = os.path.join(CACHE, "mutation-report-sized.md") if sized else REPORT
   if report:
-    write_report(report, results, total, selection, tree_of(args.head), sized)
+    write_report(report, results, total, selection, tree, sized)
     print(f"wrote {os.path.relpath(report, ROOT)}")
   print(f"{line} ({total / 60:.1f} min)")
   return 1 if unexplained(results) else 0
