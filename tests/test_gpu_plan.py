@@ -44,17 +44,6 @@ gpu_plan = load_benchmark_module("gpu_plan")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(autouse=True)
-def _no_persistent_compilation_cache():
-  """A compile-only device cannot load an executable from JAX's persistent compilation
-  cache (``PjRtCompiler must be constructed with a Client``; JAX warns, and the suite turns
-  warnings into errors): these compiles skip the cache wherever one is set up."""
-  previous = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  yield
-  jax.config.update("jax_enable_compilation_cache", previous)
-
-
 CFG = bench_gpt.GPT2_SMALL._replace(layers=2, batch=2)
 N_PARAMS = bench_gpt.n_params(CFG)
 #: One read of the float32 gradients, a parameter: the finiteness check.
