@@ -445,6 +445,74 @@ def test_eager_second_call_reuses_the_compiled_region():
   assert len(traces) == 1
 
 
+@pytest.mark.parametrize("region", ["autocast", "float32"])
+def test_a_region_called_eagerly_keeps_at_most_64_static_configurations(region):
+  # Each distinct static argument is a region of its own; the 64 newest are kept, so the
+  # oldest is traced again after 64 others, and the newest is not.
+  traces = []
+
+  def f(x, name):
+    traces.append(name)
+    return x @ x
+
+  g = jls.autocast(f) if region == "autocast" else jls.float32(f)
+  x = _rand(0, (3, 3))
+  for i in range(65):
+    g(x, f"k{i}")
+  assert len(traces) == 65
+  g(x, "k64")
+  assert len(traces) == 65
+  g(x, "k0")
+  assert traces[-1] == "k0" and len(traces) == 66
+
+
+def test_a_static_argument_that_cannot_be_hashed_takes_no_slot_of_the_64():
+  class Unhashable:
+    __hash__ = None
+
+  traces = []
+
+  def f(x, name):
+    traces.append(name)
+    return x @ x
+
+  g = jls.autocast(f)
+  x = _rand(0, (3, 3))
+  for i in range(63):
+    g(x, f"k{i}")
+  g(x, Unhashable())  # traced each time, kept nowhere
+  g(x, "k63")  # the 64th kept: nothing evicted
+  assert len(traces) == 65
+  g(x, "k0")
+  assert len(traces) == 65
+
+
+@pytest.mark.parametrize("region", ["autocast", "float32"])
+def test_a_region_passes_keyword_arguments(region):
+  def f(x, *, w, scale):
+    return (x @ w) * scale
+
+  x, w = _rand(0, (3, 4)), _rand(1, (4, 4))
+  g = jls.autocast(f) if region == "autocast" else jls.float32(f)
+  got = g(x, w=w, scale=2.0)
+  if region == "autocast":
+    want = (x.astype(F16) @ w.astype(F16)) * 2.0
+  else:
+    want = (x @ w) * 2.0
+  assert_bits_equal(got, want, dtypes=True)
+
+
+def test_a_registered_function_given_as_an_argument_calls_its_registration():
+  # An activation held by a module (equinox.nn.MLP(activation=jax.nn.gelu)) is the
+  # function as written, not the attribute autocast installs: it is mapped to its
+  # registration, so it runs as one float16 op, as written inline.
+  x, w = _rand(0, (4, 8)), _rand(1, (8, 8))
+  held = jls.autocast(lambda x, w, act: act(x @ w))(x, w, jax.nn.gelu)
+  inline = jls.autocast(lambda x, w: jax.nn.gelu(x @ w))(x, w)
+  assert held.dtype == F16
+  assert_bits_equal(held, inline, dtypes=True)
+
+
 def test_vmap_of_autocast_and_autocast_of_vmap_agree():
   x, w = _rand(0, (5, 3, 4)), _rand(1, (4, 4))
 

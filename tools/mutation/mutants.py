@@ -1205,6 +1205,13 @@ EQUIVALENT: dict[str, str] = {
   "_interpreter:Interpreter.promote:if-false:9187": (
     "a declared-dtype group whose members already share one actual dtype gets that dtype from both _bias_target and _torch_promotion, and cast does nothing to a value already in it: a fast path"
   ),
+  # session 10: _api
+  "_api:_interpret.flat_fun:if-false:4c1e": (
+    "a dynamic leaf is a tracer, never a registered function, so registered() returns it unchanged: every leaf then goes through registered(), to the same effect"
+  ),
+  "_api:_interpret:if-true:3d51": (
+    "only check_underflow passes `follows`, and it always installs taps; without it no input has the follows fact, so the loop marks nothing"
+  ),
 }
 
 
