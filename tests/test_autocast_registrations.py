@@ -534,3 +534,22 @@ def test_an_nnx_batch_norm_takes_its_call_keywords_and_writes_its_statistics():
       assert got.dtype == F32
       np.testing.assert_array_equal(got, want, err_msg=f"{name} {kwargs}")
     assert np.array_equal(np.asarray(new_state["mean"][...]), np.zeros(D)) == bool(kwargs)
+
+
+# A nested autocast (an autocast function called inside another's trace) shares the
+# outer one's registrations: it installs none of its own, and leaving it removes none.
+
+
+def test_a_nested_autocast_leaves_the_registrations_installed_and_then_restores_them():
+  gelu = jax.nn.gelu
+  x, w, v = rand(0, (4, 8)), rand(1, (8, 8)), rand(2, (3,))
+
+  def outer(x, w, v):
+    inner = jls.autocast(lambda u: u * 2.0)(v)  # a nested autocast, ended here
+    return inner, jax.nn.gelu(x @ w)  # still the registration: one float16 op
+
+  _, got = jls.autocast(outer)(x, w, v)
+  want = jls.autocast(lambda x, w: jax.nn.gelu(x @ w))(x, w)
+  assert got.dtype == want.dtype == F16
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert jax.nn.gelu is gelu  # the function as written, once autocast is done

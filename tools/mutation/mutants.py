@@ -1212,6 +1212,22 @@ EQUIVALENT: dict[str, str] = {
   "_api:_interpret:if-true:3d51": (
     "only check_underflow passes `follows`, and it always installs taps; without it no input has the follows fact, so the loop marks nothing"
   ),
+  # session 10: _registrations (installing)
+  "_registrations:_resolve:if-false:e68b": (
+    "as _registrations:_resolve:if-false:e726: getattr(None, p, None) and hasattr(None, attr) find nothing, so it still returns None"
+  ),
+  "_registrations:_resolve:if-false:6f2a": (
+    "every registered attribute exists in the jax, flax and equinox releases installed (the guard is for a release without one), so hasattr is always True here"
+  ),
+  "_registrations:tracing:if-false:a98d": (
+    "every registered class attribute is a plain function defined on that class, for which the class's __dict__ entry and getattr give the same object"
+  ),
+  "_registrations:tracing:if-true:f184": (
+    "a module's __dict__ holds its functions, so __dict__.get gives the same object as getattr for the module-level registrations"
+  ),
+  "_registrations:tracing:if-true:f4d8": (
+    "a registered method is reached through its class, never held by an argument as the class's own function object, so mapping it by id too changes nothing"
+  ),
 }
 
 
