@@ -588,3 +588,25 @@ def test_a_lower_op_under_vmap_casts_its_float_outputs_only():
   h = x.astype(jnp.float16) @ w.astype(jnp.float16)
   np.testing.assert_array_equal(np.asarray(doubled), np.asarray(h * 2))
   np.testing.assert_array_equal(np.asarray(sign), np.asarray(h > 0, np.int32))
+
+
+def test_an_equation_keeps_its_xla_metadata_and_the_casts_for_it_take_it_too():
+  # The equation's context (set_xla_metadata, compute_on) is entered around its rebinding:
+  # the float16 matmul and the casts of its operands carry the annotation; the tanh
+  # outside the block does not.
+  from jax.experimental.xla_metadata import set_xla_metadata
+
+  def f(x, w):
+    with set_xla_metadata(jls_tag="kept"):
+      y = x @ w
+    return jnp.tanh(y)
+
+  x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+  lines = jax.jit(jls.autocast(f)).lower(x, w).as_text().splitlines()
+  tagged = {
+    op
+    for op in ("dot_general", "convert", "tanh")
+    for ln in lines
+    if f"stablehlo.{op}" in ln and 'jls_tag = "kept"' in ln
+  }
+  assert tagged == {"dot_general", "convert"}

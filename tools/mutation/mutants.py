@@ -1228,6 +1228,19 @@ EQUIVALENT: dict[str, str] = {
   "_registrations:tracing:if-true:f4d8": (
     "a registered method is reached through its class, never held by an argument as the class's own function object, so mapping it by id too changes nothing"
   ),
+  # session 10: _values
+  "_values:at:if-false:519c": (
+    "every equation of jax 0.10 and 0.12 has a context whose manager is set (JaxprEqnContext.manager), so `with manager` is entered either way"
+  ),
+  "_values:bind:if-false:ea98": (
+    "jax 0.10 and later give a primitive's subfuns inside its params (get_bind_params returns a dict); the tuple branch runs only on jax 0.9 (make test-compat COMPAT=oldest)"
+  ),
+  "_values:bind:drop-kwarg:**:1727": (
+    "as _values:bind:if-false:ea98: the line runs only on jax 0.9"
+  ),
+  "_values:hoist:if-false:7249": (
+    "with no consts the opened jaxpr has the same invars and equations (constvars empty): an equal copy"
+  ),
 }
 
 
