@@ -322,11 +322,6 @@ def _not_checked(report):
   return {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()}
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="bug: _eval_cond traces each branch twice (once for the output dtypes, once cast to "
-  "them), so check_underflow counts each op inside a cond twice: (1, 4), not (1, 2)",
-)
 def test_check_underflow_counts_the_ops_inside_a_cond_once():
   w, x = rand(0, (4, 4)), rand(1, (8, 4))
 

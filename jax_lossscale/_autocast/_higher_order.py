@@ -39,7 +39,6 @@ from jax_lossscale._autocast._values import bind
 from jax_lossscale._autocast._values import cast
 from jax_lossscale._autocast._values import cast_to_declared
 from jax_lossscale._autocast._values import hoist
-from jax_lossscale._autocast._values import is_float
 from jax_lossscale._autocast._values import param
 from jax_lossscale._autocast._values import torch_promote
 
@@ -240,30 +239,34 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   def branch_fn(b: Any) -> Callable[[list[Val]], list[Val]]:
     return lambda vs: interp.eval_closed(b, vs)
 
-  first = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
-  n_out = len(first[0][0].out_avals)
+  # Each branch is interpreted once (check_underflow counts its ops once); the casts to
+  # the outputs' common dtypes are added to the traced branch afterwards.
+  traced = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
+  n_out = len(traced[0][0].out_avals)
   targets = [
-    torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in first]) for i in range(n_out)
+    torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in traced]) for i in range(n_out)
   ]
-
-  def cast_branch(branch: Any) -> Callable[[list[Val]], list[Val]]:
-    def run(vs: list[Val]) -> list[Val]:
-      outs = interp.eval_closed(branch, vs)
-      return [
-        Val(cast(o.x, t) if is_float(o.x) else o.x, o.facts)
-        for o, t in zip(outs, targets, strict=True)
-      ]
-
-    return run
-
-  traced = [interp.trace(cast_branch(b), op_x, op_facts) for b in branches]
-  closed_branches, consts = _common_consts([c for c, _ in traced], op_x)
+  cast_branches = [_cast_outputs(c, targets, op_x) for c, _ in traced]
+  closed_branches, consts = _common_consts(cast_branches, op_x)
   facts = [
-    Facts(lowp=all(f[i].lowp for _, f in traced) and np.dtype(targets[i]) == interp.dtype)
+    Facts(lowp=all(f[i].lowp for _, f in traced) and targets[i] == interp.dtype)
     for i in range(n_out)
   ]
   outs = bind(eqn, [index.x, *consts, *op_x], dict(params, branches=tuple(closed_branches)))
   return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
+
+
+def _cast_outputs(closed: Any, targets: Sequence[Any], args: Sequence[Any]) -> Any:
+  """``closed`` with its float outputs cast to ``targets``, traced again as it is (not
+  through the interpreter, so no op of it is counted twice)."""
+  if all(np.dtype(a.dtype) == t for a, t in zip(closed.out_avals, targets, strict=True)):
+    return closed
+  fn = jex.jaxpr_as_fun(closed)
+
+  def run(*xs: Any) -> list[Any]:
+    return [cast(o, t) for o, t in zip(fn(*xs), targets, strict=True)]
+
+  return jax.make_jaxpr(run)(*args)
 
 
 def _common_consts(closed: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
