@@ -369,12 +369,6 @@ def test_a_shard_map_whose_body_holds_a_constant_takes_it_as_an_operand():
   np.testing.assert_array_equal(out, _scaled_by_hand(_half(x) @ _half(w)))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="bug: a shard_map whose interpreted body holds a constant is traced twice (once by "
-  "make_jaxpr to look at it, once by the constructor's fallback), so check_underflow counts "
-  "each op inside it twice: (1, 2), not (1, 1)",
-)
 def test_check_underflow_counts_the_ops_inside_a_shard_map_holding_a_constant_once():
   w, x = rand(0, (4, 4)), rand(1, (8, 4))
   mesh, body = _shard_mapped(lambda a, w: _scaled(a @ w))

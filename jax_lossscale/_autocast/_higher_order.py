@@ -315,7 +315,8 @@ def _eval_shard_map(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   outer = jax.make_jaxpr(fn)(*(v.x for v in ins))
   traced = [e for e in outer.jaxpr.eqns if e.primitive is eqn.primitive]
   if len(outer.jaxpr.eqns) != 1 or len(traced) != 1 or outer.consts:
-    outs = list(fn(*(v.x for v in ins)))  # the constructor's own equation, as traced
+    # The constructor's own equations, as traced (not traced again: its ops are counted once).
+    outs = jex.jaxpr_as_fun(outer)(*(v.x for v in ins))
   else:
     outs = bind(eqn, [v.x for v in ins], dict(params, jaxpr=traced[0].params["jaxpr"]))
   return [Val(o, f) for o, f in zip(outs, captured[-1], strict=True)]
