@@ -300,12 +300,6 @@ def test_a_cond_whose_branch_holds_a_constant_takes_it_as_an_operand():
   np.testing.assert_array_equal(jls.autocast(f)(False, x, w), x)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason="bug: _eval_cond reads each output's dtype with np.dtype, which refuses a PRNG key "
-  "(TypeError: Cannot interpret 'key<fry>' as a data type); a scan or a while carries one",
-)
 def test_a_cond_may_give_a_prng_key():
   def f(p, key, x):
     key = lax.cond(p, lambda k: k, lambda k: jax.random.split(k)[0], key)
@@ -313,8 +307,10 @@ def test_a_cond_may_give_a_prng_key():
 
   x = jnp.ones(2)
   for p in (True, False):
+    # Against f compiled, as autocast's function is: f run op by op differs in the last bit
+    # of normal's float32 polynomial.
     np.testing.assert_array_equal(
-      jls.autocast(f)(p, jax.random.key(0), x), f(p, jax.random.key(0), x)
+      jls.autocast(f)(p, jax.random.key(0), x), jax.jit(f)(p, jax.random.key(0), x)
     )
 
 

@@ -31,6 +31,7 @@ from jax_lossscale._autocast._errors import ClosedOverTracerError
 from jax_lossscale._autocast._errors import unsupported
 from jax_lossscale._autocast._errors import where
 from jax_lossscale._autocast._interpreter import Interpreter
+from jax_lossscale._autocast._policy import is_eligible
 from jax_lossscale._autocast._values import NO_FACTS
 from jax_lossscale._autocast._values import Facts
 from jax_lossscale._autocast._values import Val
@@ -243,9 +244,7 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # the outputs' common dtypes are added to the traced branch afterwards.
   traced = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
   n_out = len(traced[0][0].out_avals)
-  targets = [
-    torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in traced]) for i in range(n_out)
-  ]
+  targets = [_common_float([c.out_avals[i].dtype for c, _ in traced]) for i in range(n_out)]
   cast_branches = [_cast_outputs(c, targets, op_x) for c, _ in traced]
   closed_branches, consts = _common_consts(cast_branches, op_x)
   facts = [
@@ -256,15 +255,25 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
 
 
+def _common_float(dtypes: Sequence[Any]) -> np.dtype | None:
+  """The dtype a float output takes from its dtypes in the branches; ``None`` for any other
+  output (an integer, a PRNG key), which every branch gives in its declared dtype."""
+  if not all(is_eligible(d) for d in dtypes):
+    return None
+  return torch_promote([np.dtype(d) for d in dtypes])
+
+
 def _cast_outputs(closed: Any, targets: Sequence[Any], args: Sequence[Any]) -> Any:
   """``closed`` with its float outputs cast to ``targets``, traced again as it is (not
   through the interpreter, so no op of it is counted twice)."""
-  if all(np.dtype(a.dtype) == t for a, t in zip(closed.out_avals, targets, strict=True)):
+  if all(
+    t is None or np.dtype(a.dtype) == t for a, t in zip(closed.out_avals, targets, strict=True)
+  ):
     return closed
   fn = jex.jaxpr_as_fun(closed)
 
   def run(*xs: Any) -> list[Any]:
-    return [cast(o, t) for o, t in zip(fn(*xs), targets, strict=True)]
+    return [o if t is None else cast(o, t) for o, t in zip(fn(*xs), targets, strict=True)]
 
   return jax.make_jaxpr(run)(*args)
 
