@@ -306,11 +306,6 @@ def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(a / (jnp.abs(a).max() + 0.5)))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a float32_compute op under jax.jvp inside autocast: its primal outputs shaped like "
-  "the primary come back float16, their tangents stay float32 (jax.linearize gives float16)",
-)
 def test_a_float32_compute_ops_tangents_take_their_primals_dtype_under_jvp():
   op = jls.autocast_op(lambda a: (jnp.tanh(a) * a, a * 2), rule="float32_compute")
   x, w = rand(0, (3, 4)), rand(1, (4, 5))

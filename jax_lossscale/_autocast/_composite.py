@@ -240,7 +240,10 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
     # The outputs shaped like the primary input take its dtype. Under vmap the inputs
     # are the op's, one for one; under jvp or partial evaluation they are not, and the
     # op's outputs (the first ones) take the dtype of an input of their shape that
-    # autocast lowered (the primal and its tangent).
+    # autocast lowered (the primal and its tangent). Under jvp the outputs after the op's
+    # are their tangents, which take their primal's dtype; under partial evaluation they
+    # are residuals, left as they are.
+    n_out = len(outs) if _is_jvp(meta, eqn) else meta.n_out
     if len(ins) == meta.n_in:
       halves = {tuple(ins[meta.primary].x.shape): ins[meta.primary].x.dtype}
     else:
@@ -251,11 +254,27 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
       }
     outs = [
       cast(o, halves[tuple(o.shape)])
-      if i < meta.n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
+      if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
       else o
       for i, o in enumerate(outs)
     ]
   return outs
+
+
+def _is_jvp(meta: _Meta, eqn: Any) -> bool:
+  """Whether ``eqn`` is the marker under ``jvp``: the op's inputs then the tangents of some
+  of them, its outputs then the tangents of some of them (jvp drops the zero ones)."""
+  closed = eqn.params["jaxpr"]
+
+  def then_tangents(avals: Sequence[Any], n: int) -> bool:
+    primals = {(a.shape, a.dtype) for a in avals[:n]}
+    return len(avals) <= 2 * n and all((a.shape, a.dtype) in primals for a in avals[n:])
+
+  return (
+    len(closed.in_avals) > meta.n_in
+    and then_tangents(closed.in_avals, meta.n_in)
+    and then_tangents(closed.out_avals, meta.n_out)
+  )
 
 
 def _is_lowered(x: Any, var: Any) -> bool:
