@@ -227,11 +227,15 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
   casts give the op's compute dtype whatever the actual dtypes, so it runs on its
   declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
-  (what the op traced on those dtypes computes).
+  (what the op traced on those dtypes computes), the op's inputs (under vmap) first
+  promoted together as its plain call's are.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
-    plain = [Val(v.x, Facts(follows=v.facts.follows)) for v in ins]
+    xs = [v.x for v in ins]
+    if len(ins) == meta.n_in:  # under vmap, the op's inputs: promoted as its plain call's
+      xs = _cast_inputs(PROMOTE, xs, interp.dtype, [v.facts.follows for v in ins])
+    plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
   outs = [v.x for v in interp.as_written(eqn, ins)]
   if meta.rule == LOWER:
