@@ -306,11 +306,6 @@ def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(a / (jnp.abs(a).max() + 0.5)))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a float32_compute op under jax.jvp inside autocast: its primal outputs shaped like "
-  "the primary come back float16, their tangents stay float32 (jax.linearize gives float16)",
-)
 def test_a_float32_compute_ops_tangents_take_their_primals_dtype_under_jvp():
   op = jls.autocast_op(lambda a: (jnp.tanh(a) * a, a * 2), rule="float32_compute")
   x, w = rand(0, (3, 4)), rand(1, (4, 5))
@@ -319,12 +314,6 @@ def test_a_float32_compute_ops_tangents_take_their_primals_dtype_under_jvp():
   assert [t.dtype for t in tangents] == [F16, F16]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a promote op under vmap runs its jaxpr on the actual dtypes with autocast off: a "
-  "float32 input that reaches no float operation of the op (only its argmax here) does not "
-  "promote the float16 one, as the plain call's promotion does",
-)
 def test_a_promote_op_under_vmap_promotes_as_its_plain_call():
   op = jls.autocast_op(lambda a, t: a * jnp.argmax(t).astype(a.dtype), rule="promote")
   x, w, s = rand(0, (4, 3)), rand(1, (3, 5)), rand(2, (5,))

@@ -300,12 +300,6 @@ def test_a_cond_whose_branch_holds_a_constant_takes_it_as_an_operand():
   np.testing.assert_array_equal(jls.autocast(f)(False, x, w), x)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason="bug: _eval_cond reads each output's dtype with np.dtype, which refuses a PRNG key "
-  "(TypeError: Cannot interpret 'key<fry>' as a data type); a scan or a while carries one",
-)
 def test_a_cond_may_give_a_prng_key():
   def f(p, key, x):
     key = lax.cond(p, lambda k: k, lambda k: jax.random.split(k)[0], key)
@@ -313,8 +307,10 @@ def test_a_cond_may_give_a_prng_key():
 
   x = jnp.ones(2)
   for p in (True, False):
+    # Against f compiled, as autocast's function is: f run op by op differs in the last bit
+    # of normal's float32 polynomial.
     np.testing.assert_array_equal(
-      jls.autocast(f)(p, jax.random.key(0), x), f(p, jax.random.key(0), x)
+      jls.autocast(f)(p, jax.random.key(0), x), jax.jit(f)(p, jax.random.key(0), x)
     )
 
 
@@ -322,11 +318,6 @@ def _not_checked(report):
   return {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()}
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="bug: _eval_cond traces each branch twice (once for the output dtypes, once cast to "
-  "them), so check_underflow counts each op inside a cond twice: (1, 4), not (1, 2)",
-)
 def test_check_underflow_counts_the_ops_inside_a_cond_once():
   w, x = rand(0, (4, 4)), rand(1, (8, 4))
 
@@ -374,12 +365,6 @@ def test_a_shard_map_whose_body_holds_a_constant_takes_it_as_an_operand():
   np.testing.assert_array_equal(out, _scaled_by_hand(_half(x) @ _half(w)))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="bug: a shard_map whose interpreted body holds a constant is traced twice (once by "
-  "make_jaxpr to look at it, once by the constructor's fallback), so check_underflow counts "
-  "each op inside it twice: (1, 2), not (1, 1)",
-)
 def test_check_underflow_counts_the_ops_inside_a_shard_map_holding_a_constant_once():
   w, x = rand(0, (4, 4)), rand(1, (8, 4))
   mesh, body = _shard_mapped(lambda a, w: _scaled(a @ w))

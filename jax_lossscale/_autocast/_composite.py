@@ -227,11 +227,15 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
   casts give the op's compute dtype whatever the actual dtypes, so it runs on its
   declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
-  (what the op traced on those dtypes computes).
+  (what the op traced on those dtypes computes), the op's inputs (under vmap) first
+  promoted together as its plain call's are.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
-    plain = [Val(v.x, Facts(follows=v.facts.follows)) for v in ins]
+    xs = [v.x for v in ins]
+    if len(ins) == meta.n_in:  # under vmap, the op's inputs: promoted as its plain call's
+      xs = _cast_inputs(PROMOTE, xs, interp.dtype, [v.facts.follows for v in ins])
+    plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
   outs = [v.x for v in interp.as_written(eqn, ins)]
   if meta.rule == LOWER:
@@ -240,7 +244,10 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
     # The outputs shaped like the primary input take its dtype. Under vmap the inputs
     # are the op's, one for one; under jvp or partial evaluation they are not, and the
     # op's outputs (the first ones) take the dtype of an input of their shape that
-    # autocast lowered (the primal and its tangent).
+    # autocast lowered (the primal and its tangent). Under jvp the outputs after the op's
+    # are their tangents, which take their primal's dtype; under partial evaluation they
+    # are residuals, left as they are.
+    n_out = len(outs) if _is_jvp(meta, eqn) else meta.n_out
     if len(ins) == meta.n_in:
       halves = {tuple(ins[meta.primary].x.shape): ins[meta.primary].x.dtype}
     else:
@@ -251,11 +258,27 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
       }
     outs = [
       cast(o, halves[tuple(o.shape)])
-      if i < meta.n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
+      if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
       else o
       for i, o in enumerate(outs)
     ]
   return outs
+
+
+def _is_jvp(meta: _Meta, eqn: Any) -> bool:
+  """Whether ``eqn`` is the marker under ``jvp``: the op's inputs then the tangents of some
+  of them, its outputs then the tangents of some of them (jvp drops the zero ones)."""
+  closed = eqn.params["jaxpr"]
+
+  def then_tangents(avals: Sequence[Any], n: int) -> bool:
+    primals = {(a.shape, a.dtype) for a in avals[:n]}
+    return len(avals) <= 2 * n and all((a.shape, a.dtype) in primals for a in avals[n:])
+
+  return (
+    len(closed.in_avals) > meta.n_in
+    and then_tangents(closed.in_avals, meta.n_in)
+    and then_tangents(closed.out_avals, meta.n_out)
+  )
 
 
 def _is_lowered(x: Any, var: Any) -> bool:

@@ -31,6 +31,7 @@ from jax_lossscale._autocast._errors import ClosedOverTracerError
 from jax_lossscale._autocast._errors import unsupported
 from jax_lossscale._autocast._errors import where
 from jax_lossscale._autocast._interpreter import Interpreter
+from jax_lossscale._autocast._policy import is_eligible
 from jax_lossscale._autocast._values import NO_FACTS
 from jax_lossscale._autocast._values import Facts
 from jax_lossscale._autocast._values import Val
@@ -39,7 +40,6 @@ from jax_lossscale._autocast._values import bind
 from jax_lossscale._autocast._values import cast
 from jax_lossscale._autocast._values import cast_to_declared
 from jax_lossscale._autocast._values import hoist
-from jax_lossscale._autocast._values import is_float
 from jax_lossscale._autocast._values import param
 from jax_lossscale._autocast._values import torch_promote
 
@@ -240,30 +240,42 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   def branch_fn(b: Any) -> Callable[[list[Val]], list[Val]]:
     return lambda vs: interp.eval_closed(b, vs)
 
-  first = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
-  n_out = len(first[0][0].out_avals)
-  targets = [
-    torch_promote([np.dtype(c.out_avals[i].dtype) for c, _ in first]) for i in range(n_out)
-  ]
-
-  def cast_branch(branch: Any) -> Callable[[list[Val]], list[Val]]:
-    def run(vs: list[Val]) -> list[Val]:
-      outs = interp.eval_closed(branch, vs)
-      return [
-        Val(cast(o.x, t) if is_float(o.x) else o.x, o.facts)
-        for o, t in zip(outs, targets, strict=True)
-      ]
-
-    return run
-
-  traced = [interp.trace(cast_branch(b), op_x, op_facts) for b in branches]
-  closed_branches, consts = _common_consts([c for c, _ in traced], op_x)
+  # Each branch is interpreted once (check_underflow counts its ops once); the casts to
+  # the outputs' common dtypes are added to the traced branch afterwards.
+  traced = [interp.trace(branch_fn(b), op_x, op_facts) for b in branches]
+  n_out = len(traced[0][0].out_avals)
+  targets = [_common_float([c.out_avals[i].dtype for c, _ in traced]) for i in range(n_out)]
+  cast_branches = [_cast_outputs(c, targets, op_x) for c, _ in traced]
+  closed_branches, consts = _common_consts(cast_branches, op_x)
   facts = [
-    Facts(lowp=all(f[i].lowp for _, f in traced) and np.dtype(targets[i]) == interp.dtype)
+    Facts(lowp=all(f[i].lowp for _, f in traced) and targets[i] == interp.dtype)
     for i in range(n_out)
   ]
   outs = bind(eqn, [index.x, *consts, *op_x], dict(params, branches=tuple(closed_branches)))
   return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
+
+
+def _common_float(dtypes: Sequence[Any]) -> np.dtype | None:
+  """The dtype a float output takes from its dtypes in the branches; ``None`` for any other
+  output (an integer, a PRNG key), which every branch gives in its declared dtype."""
+  if not all(is_eligible(d) for d in dtypes):
+    return None
+  return torch_promote([np.dtype(d) for d in dtypes])
+
+
+def _cast_outputs(closed: Any, targets: Sequence[Any], args: Sequence[Any]) -> Any:
+  """``closed`` with its float outputs cast to ``targets``, traced again as it is (not
+  through the interpreter, so no op of it is counted twice)."""
+  if all(
+    t is None or np.dtype(a.dtype) == t for a, t in zip(closed.out_avals, targets, strict=True)
+  ):
+    return closed
+  fn = jex.jaxpr_as_fun(closed)
+
+  def run(*xs: Any) -> list[Any]:
+    return [o if t is None else cast(o, t) for o, t in zip(fn(*xs), targets, strict=True)]
+
+  return jax.make_jaxpr(run)(*args)
 
 
 def _common_consts(closed: Sequence[Any], args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -312,7 +324,8 @@ def _eval_shard_map(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   outer = jax.make_jaxpr(fn)(*(v.x for v in ins))
   traced = [e for e in outer.jaxpr.eqns if e.primitive is eqn.primitive]
   if len(outer.jaxpr.eqns) != 1 or len(traced) != 1 or outer.consts:
-    outs = list(fn(*(v.x for v in ins)))  # the constructor's own equation, as traced
+    # The constructor's own equations, as traced (not traced again: its ops are counted once).
+    outs = jex.jaxpr_as_fun(outer)(*(v.x for v in ins))
   else:
     outs = bind(eqn, [v.x for v in ins], dict(params, jaxpr=traced[0].params["jaxpr"]))
   return [Val(o, f) for o, f in zip(outs, captured[-1], strict=True)]
