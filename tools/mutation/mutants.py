@@ -1135,9 +1135,6 @@ EQUIVALENT: dict[str, str] = {
   "_higher_order:_eval_scan:if-false:aeef": (
     "the body gives its carries as Val(c), so their facts are NO_FACTS either way"
   ),
-  "_higher_order:_eval_cond.cast_branch.run:if-true:2c07": (
-    "a non-float output has the same dtype in every branch, whose promotion is itself, and cast returns a value already in its dtype (weak type kept)"
-  ),
   "_higher_order:_common_consts:if-false:6da5": (
     "with no constants, re-tracing each branch through jaxpr_as_fun gives the same jaxpr (compared, with the HLO names, under nested scopes, jit and checkpoint on jax 0.10 and 0.12)"
   ),
