@@ -39,6 +39,7 @@ import sys
 import time
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -340,3 +341,13 @@ DEVIATIONS: dict[str, tuple[dict[str, np.dtype], str, str]] = {
     "A `while` or `scan` carry keeps its declared dtype",
   ),
 }
+
+
+def all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs in its params, depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    # jax.extend.core has it from jax 0.10 on, jax._src.core before.
+    jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
+    for sub in (jaxprs_in_params or jax._src.core.jaxprs_in_params)(eqn.params):
+      yield from all_eqns(sub)

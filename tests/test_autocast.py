@@ -4,6 +4,7 @@ import functools
 
 from conftest import import_optional
 from helpers import TORCH_CUDA_LAYER_DTYPES
+from helpers import all_eqns
 from helpers import assert_bits_equal
 from helpers import rand as _rand
 from helpers import transformer_layers
@@ -38,19 +39,9 @@ F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.flo
 # -- helpers ------------------------------------------------------------------------
 
 
-def _all_eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs in its params, depth first."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    # jax.extend.core has it from jax 0.10 on, jax._src.core before.
-    jaxprs_in_params = getattr(jax.extend.core, "jaxprs_in_params", None)
-    for sub in (jaxprs_in_params or jax._src.core.jaxprs_in_params)(eqn.params):
-      yield from _all_eqns(sub)
-
-
 def _eqns_of(fun, *args, name):
   jaxpr = jax.make_jaxpr(fun)(*args).jaxpr
-  return [e for e in _all_eqns(jaxpr) if e.primitive.name == name]
+  return [e for e in all_eqns(jaxpr) if e.primitive.name == name]
 
 
 def _operand_dtypes(fun, *args, name):
@@ -647,10 +638,10 @@ def test_a_users_custom_vjp_backward_runs_under_the_policy():
   assert len(_BWD_CALLS) == 1
   assert any(
     e.primitive.name == "custom_vjp_call"
-    for e in _all_eqns(jax.make_jaxpr(autocast(fun))(XS, W).jaxpr)
+    for e in all_eqns(jax.make_jaxpr(autocast(fun))(XS, W).jaxpr)
   )
   # The backward multiplies float16 cotangents with float16 residuals: no float32 mul.
-  muls = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "mul"]
+  muls = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "mul"]
   assert muls and all(np.dtype(e.outvars[0].aval.dtype) == F16 for e in muls)
   g = jax.grad(autocast(fun), argnums=1)(XS, W)
   np.testing.assert_allclose(g, jax.grad(fun, argnums=1)(XS, W), rtol=2e-2, atol=2e-2)
@@ -728,7 +719,7 @@ def test_flax_scan_remat_and_nnx_scan_bodies_are_cast():
   assert dots and all(d == (F16, F16) for d in dots)
   prims = {
     e.primitive.name
-    for e in _all_eqns(jax.make_jaxpr(autocast(scanned.apply))(params, x[0], x).jaxpr)
+    for e in all_eqns(jax.make_jaxpr(autocast(scanned.apply))(params, x[0], x).jaxpr)
   }
   assert {"scan", "remat2"} <= prims or {"scan", "checkpoint"} <= prims
 
@@ -902,7 +893,7 @@ def test_amp_step_with_dynamic_loss_scale():
   assert int(jls.get_scale_state(new_state).scale) == 2**10
   # The backward runs in float16: the cotangent of each float16 matmul is float16.
   jaxpr = jax.make_jaxpr(jax.grad(lambda p: autocast(loss_fn)(p, tokens, labels)))(p)
-  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
   assert len(dots) >= 15 and all(np.dtype(e.outvars[0].aval.dtype) == F16 for e in dots)
 
 

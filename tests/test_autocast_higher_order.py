@@ -21,6 +21,7 @@ rebind ``jit``, ``scan``, ``while``, ``cond``, ``shard_map`` and ``custom_vjp_ca
 The cases where autocast is wrong today are ``xfail(strict=True)``, with the reason.
 """
 
+from helpers import all_eqns
 from helpers import rand
 import jax
 from jax import lax
@@ -50,22 +51,12 @@ def _scaled_by_hand(h16):
   return h16.astype(F32) * _TABLE
 
 
-def _all_eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs in its params, depth first."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    # jax.extend.core has it from jax 0.10 on, jax._src.core before.
-    jaxprs_in_params = getattr(jax.extend.core, "jaxprs_in_params", None)
-    for sub in (jaxprs_in_params or jax._src.core.jaxprs_in_params)(eqn.params):
-      yield from _all_eqns(sub)
-
-
 def _eqn(fun, *args, name, jit_name=None):
   """The one ``name`` equation of ``fun``'s jaxpr (nested too); for a ``jit``, the one
   named ``jit_name``."""
   found = [
     e
-    for e in _all_eqns(jax.make_jaxpr(fun)(*args).jaxpr)
+    for e in all_eqns(jax.make_jaxpr(fun)(*args).jaxpr)
     if e.primitive.name == name and (jit_name is None or str(e.params["name"]) == jit_name)
   ]
   assert len(found) == 1, found
