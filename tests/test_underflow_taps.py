@@ -8,6 +8,8 @@
   against the float32 one.
 """
 
+import dataclasses
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -140,6 +142,53 @@ def test_leaf_names_through_an_equinox_partial_are_the_users():
   params = {"head": eqx.Partial(lin), "loss": eqx.Partial(lambda x, w: x @ w, w=jnp.ones(2))}
   # no func/ or keywords/ (and the functions the partials hold are not leaves to name)
   assert grad_leaf_names(params) == ["head/weight", "head/bias", "loss/w"]
+
+
+def test_leaf_names_through_an_equinox_partial_keep_func_and_keywords_when_they_would_clash():
+  eqx = pytest.importorskip("equinox")
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  class Scale(eqx.Module):
+    w: jax.Array
+
+  # func/w and keywords/w would both be w: the names keep func/ and keywords/
+  p = eqx.Partial(Scale(jnp.ones(2)), w=jnp.ones(3))
+  assert grad_leaf_names({"p": p}) == ["p/func/w", "p/keywords/w"]
+
+
+def test_leaf_names_through_a_jax_partial_are_its_flattening_path():
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  # a jax.tree_util.Partial's leaves are keyed 0 (its args) and 1 (its keywords): kept
+  p = jax.tree_util.Partial(lambda x, w: x * w, jnp.ones(2), w=jnp.ones(3))
+  assert grad_leaf_names({"p": p}) == ["p/0/0", "p/1/w"]
+
+
+def test_a_users_module_named_partial_keeps_its_func_name():
+  # Only a module of func, args and keywords is taken for an equinox.Partial.
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass
+  class Partial:
+    func: jax.Array
+    scale: jax.Array
+
+  assert grad_leaf_names({"p": Partial(jnp.ones(2), jnp.ones(3))}) == ["p/func", "p/scale"]
+
+
+def test_an_op_inside_a_named_scope_is_tapped_under_the_scope():
+  w, x = _rand(0, (8, 4)), _rand(1, (6, 8))
+
+  def loss(w, x):
+    with jax.named_scope("encoder"):
+      h = x @ w
+    return 1e-6 * jnp.sum(h @ w.T)
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  acts = report.looked_at()["activations"]
+  assert sorted(acts) == ["activations/dot_general#1", "activations/encoder/dot_general#0"]
+  assert int(report.nonzero["activations/encoder/dot_general#0"]) == 6 * 4
 
 
 def test_a_registered_lower_precision_op_is_tapped_under_its_name():
