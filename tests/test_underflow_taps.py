@@ -69,6 +69,29 @@ def test_the_verdict_names_the_ops_inside_a_scan_it_did_not_tap():
   assert len(report.looked_at()["activations"]) == 1
 
 
+def test_the_verdict_adds_up_the_ops_inside_regions_of_several_kinds():
+  w, x = _rand(0, (8, 8), 0.3), _rand(1, (12, 4, 8))
+
+  def loss(w, xs):
+    def step(h, x):
+      h = jnp.tanh(h @ w + x @ w)
+      return h, h
+
+    _, hs = lax.scan(step, jnp.zeros((4, 8)), xs)
+    y = lax.cond(xs[0, 0, 0] > 0, lambda: hs[-1] @ w, lambda: (hs[0] @ w) @ w)
+    return 1e-6 * jnp.sum(y)
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  assert {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()} == {
+    "scan (12 iterations)": (1, 2),
+    "cond": (1, 3),
+  }
+  verdict = report.verdict()
+  assert "not checked: the 5 lower-precision op outputs inside 1 cond, 1 scan (12 iterations)" in (
+    verdict
+  )
+
+
 def test_a_function_without_loops_says_nothing_was_left_out():
   w, x = _rand(0, (8, 8)), _rand(1, (4, 8))
   report = check_underflow(jls.autocast(lambda w, x: jnp.sum(x @ w)), w, x)
