@@ -250,3 +250,48 @@ def test_a_float32_tap_in_a_checkpointed_region_is_refused_as_outside_it():
 
     with pytest.raises(ValueError, match="the tap 'logits' is added in float32"):
       check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+
+def test_a_float32_tap_cast_to_half_and_back_before_the_add_is_refused():
+  # The walk follows the tap through its casts: back in float32, it is the same mistake.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  w = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+
+  def loss(p, batch, dtype, taps):
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + taps["logits"].astype(dtype).astype(jnp.float32)) * c)
+
+  with pytest.raises(ValueError, match="the tap 'logits' is added in float32"):
+    check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+
+def test_a_float32_param_added_to_a_float32_copy_is_not_taken_for_a_tap():
+  # Only the leaves under activations= are taps: a float32 param added after the upcast
+  # (of the activation's shape, so added as it is) is the model's own float32 arithmetic.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  p = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]]), "b": jnp.zeros((8, 2))}
+
+  def loss(p, batch, dtype, taps):
+    h = batch.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)
+    return jnp.sum((h.astype(jnp.float32) + p["b"]) * c)
+
+  r = check_underflow(loss, p, x, activations={"logits": jnp.zeros((8, 2))})
+  assert r.fractions()["activations/logits"] == 0.5
+  assert r.fractions(scaled=True)["activations/logits"] == 0.0
+
+
+def test_a_float32_tap_on_a_float32_value_made_from_integers_is_not_refused():
+  # Pixels as uint8, made float32 and tapped there: never half precision, not the mistake.
+  pixels = jnp.arange(12, dtype=jnp.uint8).reshape(4, 3)
+  w = jnp.ones((3, 2))
+
+  def loss(w, batch, dtype, taps):
+    x = batch.astype(jnp.float32) + taps["input"]
+    return 1e-3 * jnp.sum((x.astype(dtype) @ w.astype(dtype)).astype(jnp.float32))
+
+  r = check_underflow(loss, w, pixels, activations={"input": jnp.zeros((4, 3))})
+  assert r.looked_at() == {"params": ["params"], "activations": ["activations/input"]}
+  assert int(r.nonzero["activations/input"]) == 12
+  assert r.fractions()["activations/input"] == 0.0
