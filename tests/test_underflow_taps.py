@@ -295,3 +295,28 @@ def test_a_float32_tap_on_a_float32_value_made_from_integers_is_not_refused():
   assert r.looked_at() == {"params": ["params"], "activations": ["activations/input"]}
   assert int(r.nonzero["activations/input"]) == 12
   assert r.fractions()["activations/input"] == 0.0
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason="taps inside params (a top-level 'activations' key) are not walked for the "
+  "float32 mistake: only activations= taps are (_check_taps_follow runs only when tapped)",
+)
+def test_a_float32_tap_inside_params_added_to_a_float32_copy_is_refused():
+  # The taps may be passed inside params instead of as activations=: the same mistake.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  p = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]]), "activations": {"logits": jnp.zeros((8, 2))}}
+
+  def loss(p, batch, dtype):
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + p["activations"]["logits"]) * c)
+
+  try:
+    r = check_underflow(loss, p, x)
+  except ValueError as e:
+    assert "the tap 'logits' is added in float32" in str(e)
+  else:
+    # unrefused, it measures the float32 gradient: nothing lost where float16 loses half
+    assert r.fractions()["activations/logits"] == 0.5, r.fractions()
