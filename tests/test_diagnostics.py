@@ -553,6 +553,41 @@ def test_leaves_with_no_non_zero_gradient_have_share_zero_in_the_table_and_verdi
   ]
 
 
+def test_a_none_param_is_left_out():
+  # An absent optional bias (None) is no leaf: w is checked as without it.
+  params = {"w": jnp.ones(2), "b": None}
+  r = jls.diagnostics.check_underflow(_elementwise_loss, params, jnp.array([1e-9, 1e-3]))
+  assert {k: int(v) for k, v in r.nonzero.items()} == {"w": 2}
+  assert r.fractions() == {"w": 0.5} and r.fractions(scaled=True) == {"w": 0.0}
+
+
+class _Scaled(NamedTuple):
+  w: jax.Array
+  act: object  # a function: a non-array leaf
+
+
+def test_params_holding_a_function_are_checked_through_their_arrays():
+  # An Equinox-style module: its function is held static, its arrays differentiated.
+  params = _Scaled(jnp.ones(2), jax.nn.relu)
+  loss = lambda p, c, dtype: jnp.sum(p.act(p.w.astype(dtype)).astype(jnp.float32) * c)
+  r = jls.diagnostics.check_underflow(loss, params, jnp.array([1e-9, 1e-3]))
+  assert {k: int(v) for k, v in r.nonzero.items()} == {"w": 2}
+  assert r.fractions() == {"w": 0.5} and r.fractions(scaled=True) == {"w": 0.0}
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=ValueError,
+  reason="_arrays_only: a None leaf beside a function leaf makes combine's zip fail",
+)
+def test_params_holding_a_function_and_a_none_are_checked():
+  # eqx.nn.MLP(..., use_bias=False): functions (the activations) and None (the biases).
+  params = {"s": _Scaled(jnp.ones(2), jax.nn.relu), "b": None}
+  loss = lambda p, c, dtype: jnp.sum(p["s"].act(p["s"].w.astype(dtype)).astype(jnp.float32) * c)
+  r = jls.diagnostics.check_underflow(loss, params, jnp.array([1e-9, 1e-3]))
+  assert r.fractions() == {"s/w": 0.5}
+
+
 def test_a_model_without_float_params_is_reported_as_such():
   r = jls.diagnostics.check_underflow(lambda p, b, dtype: jnp.float32(0.0), {}, None)
   assert r.nonzero == {} and r.fractions() == {} and r.total() == 0.0

@@ -8,6 +8,8 @@
   against the float32 one.
 """
 
+import dataclasses
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -65,6 +67,29 @@ def test_the_verdict_names_the_ops_inside_a_scan_it_did_not_tap():
   assert "not checked: the 2 lower-precision op outputs inside 1 scan (12 iterations)" in verdict
   # the matmul after the loop is tapped
   assert len(report.looked_at()["activations"]) == 1
+
+
+def test_the_verdict_adds_up_the_ops_inside_regions_of_several_kinds():
+  w, x = _rand(0, (8, 8), 0.3), _rand(1, (12, 4, 8))
+
+  def loss(w, xs):
+    def step(h, x):
+      h = jnp.tanh(h @ w + x @ w)
+      return h, h
+
+    _, hs = lax.scan(step, jnp.zeros((4, 8)), xs)
+    y = lax.cond(xs[0, 0, 0] > 0, lambda: hs[-1] @ w, lambda: (hs[0] @ w) @ w)
+    return 1e-6 * jnp.sum(y)
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  assert {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()} == {
+    "scan (12 iterations)": (1, 2),
+    "cond": (1, 3),
+  }
+  verdict = report.verdict()
+  assert "not checked: the 5 lower-precision op outputs inside 1 cond, 1 scan (12 iterations)" in (
+    verdict
+  )
 
 
 def test_a_function_without_loops_says_nothing_was_left_out():
@@ -142,6 +167,53 @@ def test_leaf_names_through_an_equinox_partial_are_the_users():
   assert grad_leaf_names(params) == ["head/weight", "head/bias", "loss/w"]
 
 
+def test_leaf_names_through_an_equinox_partial_keep_func_and_keywords_when_they_would_clash():
+  eqx = pytest.importorskip("equinox")
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  class Scale(eqx.Module):
+    w: jax.Array
+
+  # func/w and keywords/w would both be w: the names keep func/ and keywords/
+  p = eqx.Partial(Scale(jnp.ones(2)), w=jnp.ones(3))
+  assert grad_leaf_names({"p": p}) == ["p/func/w", "p/keywords/w"]
+
+
+def test_leaf_names_through_a_jax_partial_are_its_flattening_path():
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  # a jax.tree_util.Partial's leaves are keyed 0 (its args) and 1 (its keywords): kept
+  p = jax.tree_util.Partial(lambda x, w: x * w, jnp.ones(2), w=jnp.ones(3))
+  assert grad_leaf_names({"p": p}) == ["p/0/0", "p/1/w"]
+
+
+def test_a_users_module_named_partial_keeps_its_func_name():
+  # Only a module of func, args and keywords is taken for an equinox.Partial.
+  from jax_lossscale.diagnostics import grad_leaf_names
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass
+  class Partial:
+    func: jax.Array
+    scale: jax.Array
+
+  assert grad_leaf_names({"p": Partial(jnp.ones(2), jnp.ones(3))}) == ["p/func", "p/scale"]
+
+
+def test_an_op_inside_a_named_scope_is_tapped_under_the_scope():
+  w, x = _rand(0, (8, 4)), _rand(1, (6, 8))
+
+  def loss(w, x):
+    with jax.named_scope("encoder"):
+      h = x @ w
+    return 1e-6 * jnp.sum(h @ w.T)
+
+  report = check_underflow(jls.autocast(loss), w, x)
+  acts = report.looked_at()["activations"]
+  assert sorted(acts) == ["activations/dot_general#1", "activations/encoder/dot_general#0"]
+  assert int(report.nonzero["activations/encoder/dot_general#0"]) == 6 * 4
+
+
 def test_a_registered_lower_precision_op_is_tapped_under_its_name():
   # dot_product_attention is one op (its matmuls are not interpreted): its output is
   # tapped, named for it.
@@ -178,3 +250,73 @@ def test_a_float32_tap_in_a_checkpointed_region_is_refused_as_outside_it():
 
     with pytest.raises(ValueError, match="the tap 'logits' is added in float32"):
       check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+
+def test_a_float32_tap_cast_to_half_and_back_before_the_add_is_refused():
+  # The walk follows the tap through its casts: back in float32, it is the same mistake.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  w = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]])}
+
+  def loss(p, batch, dtype, taps):
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + taps["logits"].astype(dtype).astype(jnp.float32)) * c)
+
+  with pytest.raises(ValueError, match="the tap 'logits' is added in float32"):
+    check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+
+
+def test_a_float32_param_added_to_a_float32_copy_is_not_taken_for_a_tap():
+  # Only the leaves under activations= are taps: a float32 param added after the upcast
+  # (of the activation's shape, so added as it is) is the model's own float32 arithmetic.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  p = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]]), "b": jnp.zeros((8, 2))}
+
+  def loss(p, batch, dtype, taps):
+    h = batch.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)
+    return jnp.sum((h.astype(jnp.float32) + p["b"]) * c)
+
+  r = check_underflow(loss, p, x, activations={"logits": jnp.zeros((8, 2))})
+  assert r.fractions()["activations/logits"] == 0.5
+  assert r.fractions(scaled=True)["activations/logits"] == 0.0
+
+
+def test_a_float32_tap_on_a_float32_value_made_from_integers_is_not_refused():
+  # Pixels as uint8, made float32 and tapped there: never half precision, not the mistake.
+  pixels = jnp.arange(12, dtype=jnp.uint8).reshape(4, 3)
+  w = jnp.ones((3, 2))
+
+  def loss(w, batch, dtype, taps):
+    x = batch.astype(jnp.float32) + taps["input"]
+    return 1e-3 * jnp.sum((x.astype(dtype) @ w.astype(dtype)).astype(jnp.float32))
+
+  r = check_underflow(loss, w, pixels, activations={"input": jnp.zeros((4, 3))})
+  assert r.looked_at() == {"params": ["params"], "activations": ["activations/input"]}
+  assert int(r.nonzero["activations/input"]) == 12
+  assert r.fractions()["activations/input"] == 0.0
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=AssertionError,
+  reason="taps inside params (a top-level 'activations' key) are not walked for the "
+  "float32 mistake: only activations= taps are (_check_taps_follow runs only when tapped)",
+)
+def test_a_float32_tap_inside_params_added_to_a_float32_copy_is_refused():
+  # The taps may be passed inside params instead of as activations=: the same mistake.
+  x = jnp.ones((8, 2))
+  c = jnp.tile(jnp.array([[1e-9], [1e-3]]), (4, 2))
+  p = {"w": jnp.asarray([[1.0, -0.5], [0.25, 2.0]]), "activations": {"logits": jnp.zeros((8, 2))}}
+
+  def loss(p, batch, dtype):
+    h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
+    return jnp.sum((h + p["activations"]["logits"]) * c)
+
+  try:
+    r = check_underflow(loss, p, x)
+  except ValueError as e:
+    assert "the tap 'logits' is added in float32" in str(e)
+  else:
+    # unrefused, it measures the float32 gradient: nothing lost where float16 loses half
+    assert r.fractions()["activations/logits"] == 0.5, r.fractions()
