@@ -575,11 +575,6 @@ def test_params_holding_a_function_are_checked_through_their_arrays():
   assert r.fractions() == {"w": 0.5} and r.fractions(scaled=True) == {"w": 0.0}
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=ValueError,
-  reason="_arrays_only: a None leaf beside a function leaf makes combine's zip fail",
-)
 def test_params_holding_a_function_and_a_none_are_checked():
   # eqx.nn.MLP(..., use_bias=False): functions (the activations) and None (the biases).
   params = {"s": _Scaled(jnp.ones(2), jax.nn.relu), "b": None}

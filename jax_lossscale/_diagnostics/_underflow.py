@@ -268,7 +268,8 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
 
 def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
   """Params with their non-array leaves (an Equinox module's functions) held static."""
-  leaves, treedef = jax.tree_util.tree_flatten(params)
+  # A None leaf of the user's is a leaf here, as in `combine` (it stays None: static).
+  leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda x: x is None)
   static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
   if not any(static):
     return params, loss_fn, spec

@@ -1238,6 +1238,19 @@ EQUIVALENT: dict[str, str] = {
   "_values:hoist:if-false:7249": (
     "with no consts the opened jaxpr has the same invars and equations (constvars empty): an equal copy"
   ),
+  # session 10: _taps, _underflow
+  "_taps:Taps.enter:if-true:27e8": (
+    'only scan has a `length` param among the untapped primitives (while, cond, shard_map, custom_jvp_call, custom_vjp_call; checked on jax 0.10.2 and 0.12.0.1), so params.get("length") is None for the others either way'
+  ),
+  "_taps:_scopes:if-false:d478": (
+    "on every supported JAX the name stack is a NameStack with .stack, so the `stack is None` fallback never runs"
+  ),
+  "_underflow:_walk_taps:if-true:6d7a": (
+    "taps reach a staged region only through its inputs, so walking a region with no tap among them finds nothing to refuse"
+  ),
+  "_underflow:check_underflow:if-true:129d": (
+    "without activations= the forced branch is tree_map(..., None), which is None, as the else branch gives"
+  ),
 }
 
 
