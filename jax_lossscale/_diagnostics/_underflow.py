@@ -268,9 +268,12 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
 
 def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
   """Params with their non-array leaves (an Equinox module's functions) held static."""
-  # A None leaf of the user's is a leaf here, as in `combine` (it stays None: static).
+  # A None of the user's is a leaf here, as in `combine` below, and is no function to
+  # hold static: params with no other non-array leaf are returned as they are.
   leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda x: x is None)
-  static = [not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves]
+  static = [
+    x is not None and not (is_array(x) or isinstance(x, (int, float, complex))) for x in leaves
+  ]
   if not any(static):
     return params, loss_fn, spec
   arrays = jax.tree_util.tree_unflatten(
