@@ -325,3 +325,23 @@ def test_a_promote_op_under_vmap_promotes_as_its_plain_call():
   looped, mapped = jls.autocast(f)(x, w, s)
   assert looped.dtype == F32  # "promote": the widest float dtype among the inputs
   assert mapped.dtype == F32
+
+
+def test_a_promote_op_under_jvp_promotes_as_its_plain_call():
+  # The marker under jvp holds the op's inputs then their tangents: the primals are
+  # promoted together as the plain call's inputs are, and each tangent with them.
+  op = jls.autocast_op(lambda a, s: jnp.tanh(a) * s, rule="promote")
+  x, w, s = rand(0, (4, 3)), rand(1, (3, 5)), rand(2, (5,))
+
+  def f(x, w, s):
+    h = x @ w
+    return op(h, s), jax.jvp(op, (h, s), (h, s))
+
+  plain, (primal, tangent) = jls.autocast(f)(x, w, s)
+  assert plain.dtype == primal.dtype == tangent.dtype == F32
+  np.testing.assert_array_equal(np.asarray(primal), np.asarray(plain))
+  h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+  _, expected = jax.jvp(lambda a, s: jnp.tanh(a) * s, (h, s), (h, s))
+  # float32 throughout; XLA fuses the tangent's products its own way (1 ulp), where the
+  # float16 tanh it replaced was 1e-3 off
+  np.testing.assert_allclose(np.asarray(tangent), np.asarray(expected), rtol=4e-7, atol=0)

@@ -227,14 +227,18 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
   casts give the op's compute dtype whatever the actual dtypes, so it runs on its
   declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
-  (what the op traced on those dtypes computes), the op's inputs (under vmap) first
-  promoted together as its plain call's are.
+  (what the op traced on those dtypes computes), the op's inputs (under vmap and jvp)
+  first promoted together as its plain call's are, and their tangents with them.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
     xs = [v.x for v in ins]
+    follows = [v.facts.follows for v in ins]
     if len(ins) == meta.n_in:  # under vmap, the op's inputs: promoted as its plain call's
-      xs = _cast_inputs(PROMOTE, xs, interp.dtype, [v.facts.follows for v in ins])
+      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows)
+    elif _is_jvp(meta, eqn):  # the op's inputs drive the promotion, their tangents follow
+      tangents = [True] * (len(ins) - meta.n_in)
+      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
     plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
   outs = [v.x for v in interp.as_written(eqn, ins)]
