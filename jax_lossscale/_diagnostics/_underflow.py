@@ -435,7 +435,8 @@ def check_underflow(
         return loss_fn(v["params"], batch, dtype, v["activations"])
       return loss_fn(v, batch, dtype)
 
-    if tapped:
+    if tapped or (isinstance(params, Mapping) and "activations" in params):
+      # taps passed as activations=, or inside params under the same top-level key
       _check_taps_follow(call, variables, half_dtype)
 
   def grads(v, dtype, s):
