@@ -286,6 +286,28 @@ def test_multi_steps_accumulator_is_untouched_without_a_retry():
   assert_bits_equal(new_state.acc_grads, acc)
 
 
+def test_a_retry_rescales_only_the_float_leaves_of_the_accumulator():
+  # Two retries take the scale from 1024 to 256: the float gradients accumulated so far
+  # are multiplied by 1/4, an integer leaf beside them (a count) is left as it is.
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=1024.0), 3)
+  w = jnp.zeros(2)
+  acc = {"g": jnp.array([8.0, -12.0]), "n": jnp.array([3, 7], jnp.int32)}
+  state = tx.init(w)._replace(acc_grads=acc)
+  new_state, out = jax.jit(jls.retry_on_overflow(linear_loss, state))(w, jnp.full(2, 200.0))
+  assert int(out.retries) == 2 and counters(new_state)[0] == 256.0
+  assert_bits_equal(new_state.acc_grads, {"g": jnp.array([2.0, -3.0]), "n": acc["n"]})
+
+
+def test_keyword_arguments_reach_the_loss_in_every_attempt():
+  state = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**16).init(jnp.zeros(2))
+  w, c = jnp.array([1.0, 2.0]), jnp.full(2, 4.0)
+  by_keyword = lambda w, *, c: linear_loss(w, c)
+  kw_state, kw = jls.retry_on_overflow(by_keyword, state, max_retries=3)(w, c=c)
+  pos_state, pos = jls.retry_on_overflow(linear_loss, state, max_retries=3)(w, c)
+  assert int(kw.retries) == int(pos.retries) == 3
+  assert_bits_equal((kw_state, kw), (pos_state, pos))
+
+
 def test_train_state_retry_equals_refeeding_by_hand():
   params = mlp_params()
 

@@ -1251,6 +1251,10 @@ EQUIVALENT: dict[str, str] = {
   "_underflow:check_underflow:if-true:129d": (
     "without activations= the forced branch is tree_map(..., None), which is None, as the else branch gives"
   ),
+  # session 11: the scaler's modules and the renamed mutants of the fixed code
+  "_find:find_one:if-false:892f": (
+    "a fast path: find_all flattens with is_leaf=is_kind, so a tree that is itself of the kind is its own one leaf and find_one returns it all the same"
+  ),
 }
 
 
