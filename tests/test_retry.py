@@ -350,6 +350,37 @@ def test_train_state_retry_of_zero_is_value_and_grad_bit_for_bit():
   assert_bits_equal(new, state)
 
 
+def test_train_state_retry_passes_argnums_has_aux_and_keyword_arguments():
+  state = jls_flax.TrainState.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=optax.sgd(0.1),
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=8.0),
+  )
+  loss_fn = lambda p, x, *, k: (k * jnp.sum(p["w"] * x**2), 2 * x)
+  x = jnp.array([1.0, 3.0])
+  fn = state.retry_value_and_grad(loss_fn, max_retries=2, argnums=1, has_aux=True)
+  new, out = fn(state.params, x, k=2.0)
+  assert float(out.value) == 20.0
+  np.testing.assert_array_equal(out.aux, np.array([2.0, 6.0], np.float32))
+  np.testing.assert_array_equal(out.grads, np.array([4.0, 12.0], np.float32))  # d/dx
+  assert bool(out.finite) and float(new.dynamic_scale.scale) == 8.0
+
+
+def test_train_state_retry_averages_the_gradients_over_axis_name():
+  state = jls_flax.TrainState.create(apply_fn=None, params=jnp.ones(3), tx=optax.sgd(0.1))
+
+  def per_example(w, x):
+    _, out = state.retry_value_and_grad(lambda w: jnp.sum(w * x), axis_name="batch")(w)
+    return out.grads, out.finite
+
+  x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+  grads, finite = jax.vmap(per_example, in_axes=(None, 0), axis_name="batch")(state.params, x)
+  # pmean over the axis: every example holds the mean gradient.
+  np.testing.assert_array_equal(grads, np.broadcast_to(np.mean(np.asarray(x), 0), (4, 3)))
+  assert np.all(np.asarray(finite))
+
+
 def test_nnx_optimizer_retries_and_keeps_its_variables():
   model = nnx.Linear(2, 1, dtype=F16, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
