@@ -1252,6 +1252,12 @@ EQUIVALENT: dict[str, str] = {
     "without activations= the forced branch is tree_map(..., None), which is None, as the else branch gives"
   ),
   # session 11: the scaler's modules and the renamed mutants of the fixed code
+  "_flax:TrainState.apply_gradients:if-true:af8a": (
+    "split_variables(self.params)[0] is self.params unless the params themselves hold fp8 meta, and params holding fp8 meta given gradients without it fail either way, with the same pytree-structure ValueError"
+  ),
+  "_shared_scale:scaled_backward:if-false:af19": (
+    "with no floating leaf the forced path runs _scaled_backward on an empty list (the identity, a zero cotangent for the scale) and unflattens the same leaves: equal outputs and gradients"
+  ),
   "_find:find_one:if-false:892f": (
     "a fast path: find_all flattens with is_leaf=is_kind, so a tree that is itself of the kind is its own one leaf and find_one returns it all the same"
   ),
