@@ -394,3 +394,55 @@ def test_a_promote_op_under_grad_keeps_each_cotangent_in_its_own_dtype():
   np.testing.assert_allclose(
     np.asarray(summed, np.float32), np.asarray(d, np.float32), rtol=2e-3, atol=1e-3
   )
+
+
+def test_a_float32_compute_ops_gradient_keeps_its_one_float32_residual_shaped_like_the_primary():
+  # sin saves one residual, cos(a), shaped like the primary and as many as the op's
+  # outputs: it stays float32 (it is no output of the op), so the gradient is the
+  # float32 one (rounded once to the gradient's dtype), not one of a float16 cos.
+  op = jls.autocast_op(jnp.sin, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def f(x, w):
+    h = x @ w
+    return h, jax.grad(lambda h: jnp.sum(op(h) * 3))(h)
+
+  h, grad = jls.autocast(f)(x, w)
+  expected = 3 * jnp.cos(h.astype(jnp.float32))
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(grad.dtype)))
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the transposed marker of a float32_compute op restores the primary's dtype only "
+  "when the primary is itself a residual (tanh(a) * a): sin's gradient comes back float32",
+)
+def test_a_float32_compute_ops_gradient_takes_the_primarys_float16_when_only_cos_is_saved():
+  # As test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals,
+  # whose op saves its primary: the gradient of a float16 activation is float16.
+  op = jls.autocast_op(jnp.sin, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def f(x, w):
+    h = x @ w
+    return h, jax.grad(lambda h: jnp.sum(op(h)))(h)
+
+  h, grad = jls.autocast(f)(x, w)
+  assert h.dtype == grad.dtype == F16
+
+
+def test_a_promote_op_under_jvp_with_no_output_tangent_still_promotes_its_inputs_together():
+  # floor has no derivative: the marker under jvp takes the inputs then their tangents
+  # and gives no tangent out. Its inputs are still promoted together (to the float32 of
+  # s), so tanh is computed in float32 as in the plain call, not on the float16 h.
+  op = jls.autocast_op(lambda a, s: jnp.floor(jnp.tanh(a) * s * 1000), rule="promote")
+  x, w, s = rand(0, (16, 32)), rand(1, (32, 64)), rand(2, (64,))
+
+  def f(x, w, s):
+    h = x @ w
+    return op(h, s), jax.jvp(op, (h, s), (h, s))
+
+  plain, (primal, tangent) = jls.autocast(f)(x, w, s)
+  assert plain.dtype == primal.dtype == F32
+  np.testing.assert_array_equal(np.asarray(primal), np.asarray(plain))
+  np.testing.assert_array_equal(np.asarray(tangent), np.zeros(plain.shape, np.float32))
