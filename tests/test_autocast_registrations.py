@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale._autocast import _registrations
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 B, D = 4, 8  # batch, features
@@ -553,3 +554,26 @@ def test_a_nested_autocast_leaves_the_registrations_installed_and_then_restores_
   assert got.dtype == want.dtype == F16
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert jax.nn.gelu is gelu  # the function as written, once autocast is done
+
+
+def test_a_registration_whose_module_or_attribute_is_absent_is_skipped(monkeypatch):
+  # A registration is installed only on a module already imported that has the
+  # attribute: one of a module never imported, of a function the module lacks or of a
+  # class it lacks is skipped, and the others are installed as before.
+  def never(original):
+    raise AssertionError(f"installed on {original!r}")
+
+  absent = (
+    ("jls_module_never_imported", "gelu", never),
+    ("jax.nn", "jls_no_such_function", never),
+    ("jax.nn", "JlsNoSuchClass.__call__", never),
+  )
+  monkeypatch.setattr(_registrations, "_REGISTRATIONS", (*absent, *_registrations._REGISTRATIONS))
+  gelu = jax.nn.gelu
+  x, w = rand(0, (4, 8)), rand(1, (8, 8))
+  got = jls.autocast(lambda x, w: jax.nn.gelu(x @ w))(x, w)
+  assert got.dtype == F16  # gelu's registration ("promote") is installed: one float16 op
+  h = x.astype(jnp.float16) @ w.astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.nn.gelu(h)))
+  assert jax.nn.gelu is gelu
+  assert not hasattr(jax.nn, "jls_no_such_function")

@@ -1,5 +1,7 @@
 """Flax linen: the ``dynamic_scale`` TrainState field, scaled value_and_grad, stock TrainState."""
 
+import dataclasses
+
 from flax import struct
 import flax.linen as nn
 from flax.training import train_state
@@ -327,6 +329,18 @@ def test_create_passes_subclass_fields_through():
     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), extra=7
   )
   assert state.extra == 7
+
+
+def test_a_subclass_passes_its_dataclass_options_to_flax_struct():
+  class KwOnlyState(TrainState, kw_only=True):
+    batch_stats: dict
+
+  kw_only = [f.name for f in dataclasses.fields(KwOnlyState) if f.kw_only]
+  assert kw_only == ["batch_stats"]
+  state = KwOnlyState.create(
+    apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1), batch_stats={"m": 1}
+  )
+  assert state.batch_stats == {"m": 1}
 
 
 def test_create_without_a_dynamic_scale_uses_torchs_defaults():

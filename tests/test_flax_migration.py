@@ -91,6 +91,15 @@ def test_replace_refuses_what_is_not_a_scale_state():
     state.replace(dynamic_scale=None)
 
 
+def test_replace_with_a_non_array_names_no_flax_unpacking():
+  """Only an array (a loss or a flag, from Flax's unpacking order) gets the hint on the
+  order; any other wrong value is named alone."""
+  state = _state()
+  with pytest.raises(TypeError) as e:
+    state.replace(dynamic_scale={"scale": 8.0})
+  assert str(e.value) == "dynamic_scale must be a jax_lossscale.DynamicScaleState, got dict."
+
+
 def test_flax_unpacking_of_the_result_says_what_changed(maybe_jit):
   """``dynamic_scale, is_fin, loss, grads = grad_fn(params)``: Flax's order on jls's result."""
 

@@ -380,6 +380,80 @@ def test_errors():
   assert not model.linked
 
 
+def test_link_and_output_dtype_errors_name_the_argument():
+  model = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  with pytest.raises(TypeError) as e:
+    link_loss_scale(lambda x: x, optimizer)
+  assert str(e.value) == "model must be an nnx.Module, got function."
+  with pytest.raises(TypeError) as e:
+    LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), output_dtype="not a dtype")
+  assert str(e.value) == "output_dtype must be a floating dtype or None, got 'not a dtype'."
+  # An optimizer whose state holds the scale as a bare array (not an nnx.Variable).
+  optimizer.opt_state = nnx.as_pure(optimizer.opt_state)
+  with pytest.raises(
+    TypeError, match=r"optimizer\.opt_state holds its scale as a \w+, not an nnx\.Variable"
+  ):
+    link_loss_scale(model, optimizer)
+  assert not model.linked
+
+
+class _TwoOutputs(nnx.Module):
+  """A float16 output and an integer one (an argmax), with a keyword-only argument."""
+
+  def __init__(self):
+    self.w = nnx.Param(jnp.full(2, 3.0, jnp.float16))
+
+  def __call__(self, x, *, offset):
+    y = self.w[...] * x + offset
+    return y, jnp.argmax(y).astype(jnp.int32)
+
+
+def test_wrapper_passes_keyword_arguments_and_casts_only_the_floating_outputs():
+  model = LossScaledModel(_TwoOutputs(), output_dtype=jnp.float32)
+  optimizer = nnx.Optimizer(
+    model, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), wrt=nnx.Param
+  )
+  link_loss_scale(model, optimizer)
+  y, i = model(jnp.array([1.0, 2.0], jnp.float16), offset=jnp.float16(1.0))
+  assert y.dtype == jnp.float32 and i.dtype == jnp.int32
+  np.testing.assert_array_equal(y, np.array([4.0, 7.0], np.float32))
+  assert int(i) == 1
+
+
+def test_retry_value_and_grad_with_aux():
+  model = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(
+    model, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), wrt=nnx.Param
+  )
+  link_loss_scale(model, optimizer)
+  x = jnp.ones((1, 2))
+  loss_fn = lambda m, x: (jnp.sum(m(x)), 2 * x)
+  out = jls.flax.retry_value_and_grad(loss_fn, has_aux=True)(model, optimizer, x)
+  assert float(out.value) == float(jnp.sum(model.model(x)))
+  np.testing.assert_array_equal(out.aux, np.full((1, 2), 2.0, np.float32))
+  # The gradients of the loss scaled by 8, for optimizer.update to unscale.
+  np.testing.assert_array_equal(out.grads["model"]["bias"][...], np.array([8.0], np.float32))
+  np.testing.assert_array_equal(out.grads["model"]["kernel"][...], np.full((2, 1), 8.0))
+  assert int(out.retries) == 0
+
+
+class _Pair(nnx.Module):
+  def __init__(self, a, b):
+    self.a = a
+    self.b = b
+
+
+def test_retry_value_and_grad_refuses_a_model_with_one_wrapper_left_unlinked():
+  linked = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(linked, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  link_loss_scale(linked, optimizer)
+  model = _Pair(linked, LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(1))))
+  step = jls.flax.retry_value_and_grad(lambda m, x: jnp.sum(m.a(x)))
+  with pytest.raises(ValueError, match="model must hold a LossScaledModel linked to optimizer"):
+    step(model, optimizer, jnp.ones((1, 2)))
+
+
 # -- RL: a GRPO-shaped update on sampled tokens, retried instead of skipped ----------------
 
 G = 4  # samples per prompt

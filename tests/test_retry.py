@@ -286,6 +286,28 @@ def test_multi_steps_accumulator_is_untouched_without_a_retry():
   assert_bits_equal(new_state.acc_grads, acc)
 
 
+def test_a_retry_rescales_only_the_float_leaves_of_the_accumulator():
+  # Two retries take the scale from 1024 to 256: the float gradients accumulated so far
+  # are multiplied by 1/4, an integer leaf beside them (a count) is left as it is.
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=1024.0), 3)
+  w = jnp.zeros(2)
+  acc = {"g": jnp.array([8.0, -12.0]), "n": jnp.array([3, 7], jnp.int32)}
+  state = tx.init(w)._replace(acc_grads=acc)
+  new_state, out = jax.jit(jls.retry_on_overflow(linear_loss, state))(w, jnp.full(2, 200.0))
+  assert int(out.retries) == 2 and counters(new_state)[0] == 256.0
+  assert_bits_equal(new_state.acc_grads, {"g": jnp.array([2.0, -3.0]), "n": acc["n"]})
+
+
+def test_keyword_arguments_reach_the_loss_in_every_attempt():
+  state = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**16).init(jnp.zeros(2))
+  w, c = jnp.array([1.0, 2.0]), jnp.full(2, 4.0)
+  by_keyword = lambda w, *, c: linear_loss(w, c)
+  kw_state, kw = jls.retry_on_overflow(by_keyword, state, max_retries=3)(w, c=c)
+  pos_state, pos = jls.retry_on_overflow(linear_loss, state, max_retries=3)(w, c)
+  assert int(kw.retries) == int(pos.retries) == 3
+  assert_bits_equal((kw_state, kw), (pos_state, pos))
+
+
 def test_train_state_retry_equals_refeeding_by_hand():
   params = mlp_params()
 
@@ -326,6 +348,37 @@ def test_train_state_retry_of_zero_is_value_and_grad_bit_for_bit():
   ref = state.value_and_grad(mlp_loss)(state.params, x, y)
   assert_bits_equal(tuple(out), tuple(ref))
   assert_bits_equal(new, state)
+
+
+def test_train_state_retry_passes_argnums_has_aux_and_keyword_arguments():
+  state = jls_flax.TrainState.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=optax.sgd(0.1),
+    dynamic_scale=jls.DynamicScaleState.create(init_scale=8.0),
+  )
+  loss_fn = lambda p, x, *, k: (k * jnp.sum(p["w"] * x**2), 2 * x)
+  x = jnp.array([1.0, 3.0])
+  fn = state.retry_value_and_grad(loss_fn, max_retries=2, argnums=1, has_aux=True)
+  new, out = fn(state.params, x, k=2.0)
+  assert float(out.value) == 20.0
+  np.testing.assert_array_equal(out.aux, np.array([2.0, 6.0], np.float32))
+  np.testing.assert_array_equal(out.grads, np.array([4.0, 12.0], np.float32))  # d/dx
+  assert bool(out.finite) and float(new.dynamic_scale.scale) == 8.0
+
+
+def test_train_state_retry_averages_the_gradients_over_axis_name():
+  state = jls_flax.TrainState.create(apply_fn=None, params=jnp.ones(3), tx=optax.sgd(0.1))
+
+  def per_example(w, x):
+    _, out = state.retry_value_and_grad(lambda w: jnp.sum(w * x), axis_name="batch")(w)
+    return out.grads, out.finite
+
+  x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+  grads, finite = jax.vmap(per_example, in_axes=(None, 0), axis_name="batch")(state.params, x)
+  # pmean over the axis: every example holds the mean gradient.
+  np.testing.assert_array_equal(grads, np.broadcast_to(np.mean(np.asarray(x), 0), (4, 3)))
+  assert np.all(np.asarray(finite))
 
 
 def test_nnx_optimizer_retries_and_keeps_its_variables():

@@ -1251,6 +1251,40 @@ EQUIVALENT: dict[str, str] = {
   "_underflow:check_underflow:if-true:129d": (
     "without activations= the forced branch is tree_map(..., None), which is None, as the else branch gives"
   ),
+  # session 11: the scaler's modules and the renamed mutants of the fixed code
+  "_flax:TrainState.apply_gradients:if-true:af8a": (
+    "split_variables(self.params)[0] is self.params unless the params themselves hold fp8 meta, and params holding fp8 meta given gradients without it fail either way, with the same pytree-structure ValueError"
+  ),
+  "_shared_scale:scaled_backward:if-false:af19": (
+    "with no floating leaf the forced path runs _scaled_backward on an empty list (the identity, a zero cotangent for the scale) and unflattens the same leaves: equal outputs and gradients"
+  ),
+  "_higher_order:_common_float:reduce:all->any:ebf5": (
+    "a cond output has one declared dtype in every branch and autocast moves floats only among float16, bfloat16 and float32, so its branch dtypes are all eligible or none is, and any equals all"
+  ),
+  "_higher_order:_cast_outputs:if-false:6c4c": (
+    "a fast path: when every output is already in its target dtype the re-traced branch casts nothing and computes the same outputs, so skipping the early return costs only a trace"
+  ),
+  "_higher_order:_eval_shard_map:cmp-negate:6299": (
+    "with no traced equation selected the fallback runs, which evaluates the same shard_map the public constructor just traced (the fast path only swaps that body into the original equation): the same outputs and facts"
+  ),
+  "_higher_order:_eval_shard_map:cmp-negate:16a9": (
+    "as _higher_order:_eval_shard_map:cmp-negate:6299: the outer trace is one shard_map equation, and the negated test only forces the fallback, which evaluates that same shard_map"
+  ),
+  "_higher_order:_eval_shard_map:if-true:5eae": (
+    "as _higher_order:_eval_shard_map:cmp-negate:6299: always taking the fallback evaluates the traced shard_map, the computation the fast path binds, losing only the reuse of the original equation"
+  ),
+  "_higher_order:_eval_shard_map:cmp-negate:717e": (
+    "as _higher_order:_eval_shard_map:cmp-negate:6299: with exactly one traced shard_map the negated test only forces the fallback, which evaluates that same shard_map"
+  ),
+  "_underflow:_arrays_only:if-false:302e": (
+    "with no static leaf the wrapper's combine rebuilds the tree it is given (same treedef, same leaves): the loss sees equal params and the report is the same, at the cost of a re-flatten"
+  ),
+  "_underflow:check_underflow:if-true:40bd": (
+    "without taps (no activations= and no top-level 'activations' key of a Mapping) the walk has no tap to follow and cannot raise, so forcing it only traces the loss once more"
+  ),
+  "_find:find_one:if-false:892f": (
+    "a fast path: find_all flattens with is_leaf=is_kind, so a tree that is itself of the kind is its own one leaf and find_one returns it all the same"
+  ),
 }
 
 
