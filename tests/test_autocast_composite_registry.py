@@ -273,11 +273,25 @@ def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_i
   np.testing.assert_array_equal(np.asarray(mapped), np.asarray(expected))
 
 
-def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals():
+@pytest.mark.parametrize(
+  "fun",
+  [
+    pytest.param(lambda a: jnp.tanh(a) * a, id="saves_its_primary"),
+    pytest.param(
+      jnp.sin,
+      id="saves_only_cos",
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="the transposed marker of a float32_compute op restores the primary's dtype "
+        "only when the primary is itself a residual: sin's gradient comes back float32",
+      ),
+    ),
+  ],
+)
+def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals(fun):
   # Differentiated inside the autocast function, the op's backward runs in float32 on the
-  # float32 values its forward saved (tanh(a) here, shaped like the primary): the
-  # gradient is the float32 one, rounded once to the primary's float16.
-  fun = lambda a: jnp.tanh(a) * a
+  # float32 values its forward saved: the gradient is the float32 one, rounded once to
+  # the primary's float16, whether or not the primary itself is saved.
   op = jls.autocast_op(fun, rule="float32_compute")
   x, w = rand(0, (16, 32)), rand(1, (32, 64))
 
@@ -410,25 +424,6 @@ def test_a_float32_compute_ops_gradient_keeps_its_one_float32_residual_shaped_li
   h, grad = jls.autocast(f)(x, w)
   expected = 3 * jnp.cos(h.astype(jnp.float32))
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(grad.dtype)))
-
-
-@pytest.mark.xfail(
-  strict=True,
-  reason="the transposed marker of a float32_compute op restores the primary's dtype only "
-  "when the primary is itself a residual (tanh(a) * a): sin's gradient comes back float32",
-)
-def test_a_float32_compute_ops_gradient_takes_the_primarys_float16_when_only_cos_is_saved():
-  # As test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals,
-  # whose op saves its primary: the gradient of a float16 activation is float16.
-  op = jls.autocast_op(jnp.sin, rule="float32_compute")
-  x, w = rand(0, (16, 32)), rand(1, (32, 64))
-
-  def f(x, w):
-    h = x @ w
-    return h, jax.grad(lambda h: jnp.sum(op(h)))(h)
-
-  h, grad = jls.autocast(f)(x, w)
-  assert h.dtype == grad.dtype == F16
 
 
 def test_a_promote_op_under_jvp_with_no_output_tangent_still_promotes_its_inputs_together():
