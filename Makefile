@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-plan mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan mutate lint docs docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
@@ -17,6 +17,7 @@ help:
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
 	@echo "make gpu-plan    - bench_large's variants compiled for an H200 and a V100 without a GPU: kernels, bytes, temporaries, host round trips, predicted ratios (benchmarks/results/gpu-plan-*)"
+	@echo "make gpu-session - on a lent GPU machine, in one call: gpu-check, gpu-bench-large and gpu-bench-retry, each under a time limit, logs and results in BENCH_OUT (benchmarks/gpu_session.sh; ~9.5 min)"
 	@echo "make gpu-bench-retry - whether a retry_on_overflow step makes the host wait (for a GPU machine)"
 	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (about 40 min on 2 cores for its 1412 mutants, more from a fresh clone: 38 min measured on 2026-12-02 with a warm JAX compilation cache, most mutants killed by the one test tools/mutation/killers.json names; later runs on the same sources reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run (its report: .mutate-cache/mutation-report-sized.md)"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
@@ -150,6 +151,12 @@ gpu-bench-large:
 # writes retry-sync-gpu.md to $(BENCH_OUT).
 gpu-bench-retry:
 	PYTHONPATH=. $(PYTHON) benchmarks/bench_retry_sync.py --model gpt --out $(BENCH_OUT)
+
+# All of the above in one call of a short lease (benchmarks/gpu_session.sh): each phase under
+# its own time limit, never past GPU_SESSION_S in all; at most 8 files in $(BENCH_OUT).
+GPU_SESSION_S ?= 570
+gpu-session:
+	PYTHON=$(PYTHON) benchmarks/gpu_session.sh $(BENCH_OUT) $(GPU_SESSION_S)
 
 # The GPU plan (benchmarks/gpu_plan.py): JAX's CUDA plugin, pinned to the installed jaxlib's
 # version, makes a compile-only GPU from a target description (benchmarks/gpu_targets/): no

@@ -311,6 +311,12 @@ def parse_args(argv=None):
     help="also run torch.compile off-GPU (skipped by default: slow on CPU)",
   )
   p.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit")
+  p.add_argument(
+    "--peak-flops",
+    type=float,
+    default=H200_PEAK_FLOPS,
+    help="the MFU's denominator (default: the H200's dense half-precision peak)",
+  )
   args = p.parse_args(argv)
   gpu = jax.default_backend() == "gpu"
   args.cfg = bench_gpt.TINY_GPT if args.tiny else bench_gpt.GPT2_SMALL
@@ -323,6 +329,147 @@ def parse_args(argv=None):
   args.autocast_attention = "xla" if args.attention == "xla" else None
   args.attention = args.attention or ("cudnn" if gpu else "xla")
   return args
+
+
+#: The order variants are compiled and timed in when ``--variants`` is not given: what the
+#: GPU issue asks first (the reference, the scaler, autocast + scaler, torch eager and
+#: compiled), then the rest. A variant that would start past 60% of ``--budget-s`` is skipped,
+#: so a short lease measures the first ones.
+PRIORITY = (
+  "float16",
+  "dynamic_loss_scale",
+  "autocast_dynamic_loss_scale",
+  "torch_eager",
+  "torch_compile",
+  "jls_trainstate",
+  "flax_dynamic_scale",
+  "bfloat16",
+  "autocast_bfloat16",
+  "float32",
+)
+
+#: The H200's dense half-precision peak (NVIDIA's datasheet), the MFU's denominator.
+H200_PEAK_FLOPS = 989e12
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+  """A train step's FLOPs a token: 6 N (forward + backward of the matmuls) plus the
+  attention's 12 L T d (PaLM's appendix B). 0.855 GFLOP for GPT-2 small at sequence 1024."""
+  return 6.0 * bench_gpt.n_params(cfg) + 12.0 * cfg.layers * cfg.seq * cfg.d_model
+
+
+def order(names: list[str]) -> list[str]:
+  """``names`` with :data:`PRIORITY`'s first, in its order, then the others as given."""
+  first = [n for n in PRIORITY if n in names]
+  return first + [n for n in names if n not in first]
+
+
+class Run:
+  """The state of one benchmark run, written to ``<out>/<name>.{json,md}`` whenever it grows:
+  after each variant's build and after each round, so a run cut short keeps what it measured."""
+
+  def __init__(self, args, info: dict[str, Any], labels: dict[str, str], torch_ok: bool):
+    self.args, self.info, self.labels, self.torch_ok = args, info, labels, torch_ok
+    self.built: dict[str, Built] = {}
+    self.skipped: dict[str, str] = {}
+    self.times: dict[str, list[float]] = {}
+    self.losses: dict[str, float] = {}
+
+  def payload(self) -> dict[str, Any]:
+    args, cfg = self.args, self.args.cfg
+    tokens = cfg.batch * cfg.seq
+    flops = flops_per_token(cfg)
+    base = self.times.get(REFERENCE, [])
+    results = {}
+    for n, b in self.built.items():
+      times = self.times.get(n, [])
+      r: dict[str, Any] = {
+        "label": self.labels[n],
+        "compile_s": b.compile_s,
+        "memory": b.memory,
+      }
+      if times and base:
+        ratios = [t / ref for t, ref in zip(times, base)]
+        tps = tokens / statistics.median(times)
+        r.update(
+          step_ms_median=1e3 * statistics.median(times),
+          step_ms_all=[1e3 * t for t in times],
+          tokens_per_s=tps,
+          mfu=tps * flops / args.peak_flops,
+          ratio_median=statistics.median(ratios),
+          ratio_min=min(ratios),
+          ratio_max=max(ratios),
+          final_loss=self.losses[n],
+          final=b.notes(),
+        )
+      if b.attention:
+        r["attention"] = b.attention
+      results[n] = r
+    self.info["wall_s"] = time.perf_counter() - T0
+    return {
+      "kind": "gpu-large",
+      "machine": self.info,
+      "settings": {
+        "model": cfg._asdict(),
+        "params": bench_gpt.n_params(cfg),
+        "tokens_per_step": tokens,
+        "flops_per_token": flops,
+        "peak_flops": args.peak_flops,
+        "learning_rate": LEARNING_RATE,
+        "weight_decay": WEIGHT_DECAY,
+        "init_scale": INIT_SCALE,
+        "attention": args.attention,
+        "autocast_attention": args.autocast_attention or "jax.nn.dot_product_attention",
+        "rounds": len(base),
+        "steps_per_round": args.steps,
+        "warmup": args.warmup,
+        "reference": REFERENCE,
+        "torch_device": torch_device() if self.torch_ok else None,
+      },
+      "results": results,
+      "skipped": self.skipped,
+    }
+
+  def write(self) -> dict[str, Any]:
+    payload = self.payload()
+    os.makedirs(self.args.out, exist_ok=True)
+    path = os.path.join(self.args.out, self.args.name)
+    with open(path + ".json", "w") as f:
+      json.dump(payload, f, indent=1)
+    with open(path + ".md", "w") as f:
+      f.write(bench_report.markdown(payload))
+    return payload
+
+
+def _build(run: Run, name: str, specs, params, x, y) -> None:
+  """Builds (compiles and warms up) variant ``name`` into ``run.built``."""
+  args, cfg = run.args, run.args.cfg
+  if name in specs:
+    try:
+      run.built[name] = build_jax(specs[name][1], params, x, y, args.warmup)
+    except Exception as e:  # e.g. no cuDNN attention for this shape: plain XLA attention
+      if args.attention == "xla" and (
+        name not in autocast_variants(cfg) or args.autocast_attention == "xla"
+      ):
+        raise
+      log(f"{name}: {args.attention} attention failed ({type(e).__name__}: {e}); using xla")
+      fallback = {**_jax_steps(cfg, "xla"), **autocast_variants(cfg, "xla")}
+      run.built[name] = build_jax(fallback[name][1], params, x, y, args.warmup)
+      run.skipped[f"{name}:attention"] = f"xla attention (cudnn failed: {type(e).__name__})"
+  elif name in ("torch_eager", "torch_compile"):
+    if not run.torch_ok:
+      run.skipped[name] = "torch is not installed"
+      return
+    if name == "torch_compile" and torch_device() != "cuda" and not args.torch_compile_cpu:
+      run.skipped[name] = "torch.compile is skipped off-GPU (--torch-compile-cpu runs it)"
+      log(f"{name}: {run.skipped[name]}")
+      return
+    run.built[name] = build_torch(cfg, params, x, y, args.warmup, name == "torch_compile")
+  else:
+    raise ValueError(f"unknown variant {name!r}; known: {list(run.labels)}")
+  log(f"{name:20s} compiled in {run.built[name].compile_s:6.1f}s  {run.built[name].memory}")
+  if run.built[name].attention:
+    log(f"{name:20s} attention: {run.built[name].attention}")
 
 
 def run_all(args) -> dict[str, Any]:
@@ -343,117 +490,46 @@ def run_all(args) -> dict[str, Any]:
   labels = {k: v[0] for k, v in specs.items()}
   labels["torch_eager"] = "torch autocast(float16) + GradScaler + AdamW, eager"
   labels["torch_compile"] = "torch autocast(float16) + GradScaler + AdamW, torch.compile"
-  names = args.variants or list(labels)
+  names = args.variants or order(list(labels))
   if REFERENCE not in names:
     names = [REFERENCE] + names
 
-  built: dict[str, Built] = {}
-  skipped: dict[str, str] = {}
+  run = Run(args, info, labels, torch_ok)
   for name in names:
     if time.perf_counter() - T0 > 0.6 * args.budget_s:
-      skipped[name] = f"not compiled: past 60% of the {args.budget_s:.0f}s budget"
-      log(f"{name}: {skipped[name]}")
+      run.skipped[name] = f"not compiled: past 60% of the {args.budget_s:.0f}s budget"
+      log(f"{name}: {run.skipped[name]}")
       continue
     try:
-      if name in specs:
-        try:
-          built[name] = build_jax(specs[name][1], params, x, y, args.warmup)
-        except Exception as e:  # e.g. no cuDNN attention for this shape: plain XLA attention
-          if args.attention == "xla" and (
-            name not in autocast_variants(cfg) or args.autocast_attention == "xla"
-          ):
-            raise
-          log(f"{name}: {args.attention} attention failed ({type(e).__name__}); using xla")
-          fallback = {**_jax_steps(cfg, "xla"), **autocast_variants(cfg, "xla")}
-          built[name] = build_jax(fallback[name][1], params, x, y, args.warmup)
-          skipped[f"{name}:attention"] = "xla attention (cudnn failed)"
-      elif name in ("torch_eager", "torch_compile"):
-        if not torch_ok:
-          skipped[name] = "torch is not installed"
-          continue
-        if name == "torch_compile" and torch_device() != "cuda" and not args.torch_compile_cpu:
-          skipped[name] = "torch.compile is skipped off-GPU (--torch-compile-cpu runs it)"
-          log(f"{name}: {skipped[name]}")
-          continue
-        built[name] = build_torch(cfg, params, x, y, args.warmup, name == "torch_compile")
-      else:
-        raise ValueError(f"unknown variant {name!r}; known: {list(labels)}")
-      log(f"{name:20s} compiled in {built[name].compile_s:6.1f}s  {built[name].memory}")
-      if built[name].attention:
-        log(f"{name:20s} attention: {built[name].attention}")
+      _build(run, name, specs, params, x, y)
     except Exception as e:
-      skipped[name] = f"failed: {type(e).__name__}: {e}"[:500]
+      run.skipped[name] = f"failed: {type(e).__name__}: {e}"[:500]
       log(f"{name}: FAILED\n{traceback.format_exc()}")
+    run.write()
 
-  if REFERENCE not in built:
+  if REFERENCE not in run.built:
+    run.write()
     raise SystemExit("the float16 reference did not build; nothing to compare against")
-  times: dict[str, list[float]] = {n: [] for n in built}
-  losses: dict[str, float] = {}
-  order = list(built)
+  run.times = {n: [] for n in run.built}
+  shuffled = list(run.built)
   rng = random.Random(args.seed)
   for r in range(args.rounds):
     if r and time.perf_counter() - T0 > 0.9 * args.budget_s:
       log(f"stopping after {r} rounds: past 90% of the budget")
       break
-    rng.shuffle(order)
-    for n in order:
-      dt, losses[n] = built[n].run(args.steps)
-      times[n].append(dt / args.steps)
-    log(f"round {r + 1}: " + ", ".join(f"{n} {1e3 * times[n][-1]:.1f}ms" for n in built))
-
-  tokens = cfg.batch * cfg.seq
-  results = {}
-  for n in built:
-    ratios = [t / b for t, b in zip(times[n], times[REFERENCE])]
-    results[n] = {
-      "label": labels[n],
-      "step_ms_median": 1e3 * statistics.median(times[n]),
-      "step_ms_all": [1e3 * t for t in times[n]],
-      "tokens_per_s": tokens / statistics.median(times[n]),
-      "ratio_median": statistics.median(ratios),
-      "ratio_min": min(ratios),
-      "ratio_max": max(ratios),
-      "compile_s": built[n].compile_s,
-      "memory": built[n].memory,
-      "final_loss": losses[n],
-      "final": built[n].notes(),
-    }
-    if built[n].attention:
-      results[n]["attention"] = built[n].attention
-  info["wall_s"] = time.perf_counter() - T0
-  return {
-    "kind": "gpu-large",
-    "machine": info,
-    "settings": {
-      "model": cfg._asdict(),
-      "params": bench_gpt.n_params(cfg),
-      "tokens_per_step": tokens,
-      "learning_rate": LEARNING_RATE,
-      "weight_decay": WEIGHT_DECAY,
-      "init_scale": INIT_SCALE,
-      "attention": args.attention,
-      "autocast_attention": args.autocast_attention or "jax.nn.dot_product_attention",
-      "rounds": len(times[REFERENCE]),
-      "steps_per_round": args.steps,
-      "warmup": args.warmup,
-      "reference": REFERENCE,
-      "torch_device": torch_device() if torch_ok else None,
-    },
-    "results": results,
-    "skipped": skipped,
-  }
+    rng.shuffle(shuffled)
+    for n in shuffled:
+      dt, run.losses[n] = run.built[n].run(args.steps)
+      run.times[n].append(dt / args.steps)
+    log(f"round {r + 1}: " + ", ".join(f"{n} {1e3 * run.times[n][-1]:.1f}ms" for n in run.built))
+    run.write()
+  return run.write()
 
 
 def main(argv=None):
   args = parse_args(argv)
   payload = run_all(args)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-    json.dump(payload, f, indent=1)
-  text = bench_report.markdown(payload)
-  with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-    f.write(text)
-  print("\n" + text, flush=True)
+  print("\n" + bench_report.markdown(payload), flush=True)
   log(f"done, wall {payload['machine']['wall_s']:.0f}s")
 
 

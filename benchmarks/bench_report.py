@@ -310,6 +310,27 @@ def memory_markdown(results: list[dict[str, Any]], variants: list[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _scaler_memory_lines(results: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+  """The scaler's memory over the unscaled float16 step's, in gradient-sized buffers (float32
+  gradients: 4 bytes a parameter), from the compiled programs' ``memory_analysis()``."""
+  ref = results.get(settings["reference"], {}).get("memory", {}).get("compiled_peak_bytes")
+  if ref is None or not settings.get("params"):
+    return []
+  grads = 4 * settings["params"]
+  lines = []
+  for n, r in results.items():
+    peak = r["memory"].get("compiled_peak_bytes")
+    if n != settings["reference"] and peak is not None:
+      extra = peak - ref
+      lines.append(
+        f"- `{n}`: {extra / MIB:+.1f} MiB against `{settings['reference']}`'s compiled peak "
+        f"({extra / grads:+.2f} gradient-sized buffers of {grads / MIB:.1f} MiB)"
+      )
+  if not lines:
+    return []
+  return ["", "Memory over the unscaled step (compiled peak):", "", *lines]
+
+
 def large_markdown(payload: dict[str, Any]) -> str:
   """The report of ``bench_large.py`` (GPT-2 small on a GPU, against PyTorch AMP)."""
   info, st, results = payload["machine"], payload["settings"], payload["results"]
@@ -331,24 +352,37 @@ def large_markdown(payload: dict[str, Any]) -> str:
     "in brackets. Memory: JAX, the compiled step's arguments + outputs - donated + "
     "temporaries (`memory_analysis()`), and the process's `peak_bytes_in_use` after the "
     "variant's warm-up (cumulative over the variants built before); torch, "
-    "`max_memory_allocated()` over its warm-up.",
+    "`max_memory_allocated()` over its warm-up."
+    + (
+      f" MFU: tokens/s x {st['flops_per_token'] / 1e9:.3f} GFLOP a token (6 N + 12 L T d) over "
+      f"{st['peak_flops'] / 1e12:.0f} TFLOP/s (the H200's dense half-precision peak)."
+      if "flops_per_token" in st
+      else ""
+    ),
     "",
-    "| variant | tokens/s | step ms | ratio to float16 [min..max] | compile s | "
+    "| variant | tokens/s | MFU | step ms | ratio to float16 [min..max] | compile s | "
     "compiled peak GiB | process / torch peak GiB | final loss | final state |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "|---|---|---|---|---|---|---|---|---|---|",
   ]
   gib = 2.0**30
   for r in results.values():
     mem = r["memory"]
     peak = mem.get("compiled_peak_bytes")
     other = mem.get("torch_max_memory_allocated_bytes", mem.get("process_peak_bytes_after_warmup"))
-    lines.append(
-      f"| {r['label']} | {r['tokens_per_s']:,.0f} | {r['step_ms_median']:.2f} | "
-      f"{r['ratio_median']:.3f} [{r['ratio_min']:.3f}..{r['ratio_max']:.3f}] | "
+    memory = (
       f"{r['compile_s']:.1f} | {'n/a' if peak is None else f'{peak / gib:.2f}'} | "
-      f"{'n/a' if other is None else f'{other / gib:.2f}'} | {r['final_loss']:.4f} | "
-      f"{json.dumps(r['final'])} |"
+      f"{'n/a' if other is None else f'{other / gib:.2f}'}"
     )
+    if "tokens_per_s" not in r:  # built, not timed (the run was cut short)
+      lines.append(f"| {r['label']} | not timed | | | | {memory} | | |")
+      continue
+    mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
+    lines.append(
+      f"| {r['label']} | {r['tokens_per_s']:,.0f} | {mfu} | {r['step_ms_median']:.2f} | "
+      f"{r['ratio_median']:.3f} [{r['ratio_min']:.3f}..{r['ratio_max']:.3f}] | "
+      f"{memory} | {r['final_loss']:.4f} | {json.dumps(r['final'])} |"
+    )
+  lines += _scaler_memory_lines(results, st)
   if payload.get("skipped"):
     lines += ["", "Left out or changed:", ""]
     lines += [f"- `{k}`: {v}" for k, v in payload["skipped"].items()]
