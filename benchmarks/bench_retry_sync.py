@@ -99,7 +99,7 @@ def main(argv=None) -> None:
   if backend == "gpu":
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DEVICE_PREDICATE_FLAGS}")
     cmd = [sys.executable, __file__, "--model", args.model, "--steps", str(args.steps)]
-    cmd += ["--rounds", str(args.rounds), "--child", DEVICE_PREDICATE_FLAGS]
+    cmd += ["--rounds", str(args.rounds), f"--child={DEVICE_PREDICATE_FLAGS}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode == 0:
       rows[DEVICE_PREDICATE_FLAGS] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -75,7 +75,7 @@ exact=(tests/test_skip.py tests/test_numerics.py tests/test_transform_config.py
   tests/test_transform.py tests/test_retry.py)
 
 phase gpu-tests 90 "$py" -m pytest -q -rfEs -m gpu -p no:cacheprovider tests
-phase exact-tests 100 "$py" -m pytest -q -rfE "${xdist[@]}" -p no:cacheprovider "${exact[@]}"
+phase exact-tests 100 "$py" -m pytest -q -rfE "${xdist[@]}" -p no:cacheprovider -p no:benchmark "${exact[@]}"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
 phase bench-large 310 "$py" benchmarks/bench_large.py --out "$out" --budget-s 290 \
   --steps 8 ${BENCH_ARGS:-}
