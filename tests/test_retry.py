@@ -53,6 +53,24 @@ def assert_bits_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
+def assert_same_program_results(a, b):
+  """Two programs' results: bit for bit on XLA:CPU. XLA:GPU autotunes each program's matrix
+  products on its own, and two programs can take algorithms that round a float16 gradient
+  differently: measured on an H200, one leaf of the SGD storm below came out 1 to 3 float16
+  ulps apart (relative 5e-4 to 1.6e-3) in one run of two. There, floating leaves are compared
+  to 2^-8 relative and every integer leaf (the counters) exactly."""
+  if jax.default_backend() != "gpu":
+    return assert_bits_equal(a, b)
+  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype
+    if x.dtype.kind == "f":
+      np.testing.assert_allclose(x, y, rtol=2**-8, atol=1e-8)
+    else:
+      np.testing.assert_array_equal(x, y)
+
+
 def counters(tree):
   s = jls.get_scale_state(tree)
   return (float(s.scale), int(s.growth_tracker), int(s.skipped_steps), int(s.consecutive_skips))
@@ -141,7 +159,8 @@ def refeed_by_hand(step, params, state, batch, max_retries):
 def test_a_storm_with_retries_equals_refeeding_the_batches_by_hand(max_retries, optimizer):
   """Params, optimizer state and every counter, bit for bit, batch after batch.
 
-  With SGD the whole step is one jit. With Adam the gradients and the update are
+  With SGD the whole step is one jit (on a GPU, two programs: see
+  :func:`assert_same_program_results`). With Adam the gradients and the update are
   jitted apart, and both runs share the update's program: XLA:CPU may round Adam's
   division differently by one ulp in two different programs (measured: a step with
   a retry loop against one without, on a batch that did not retry), which says
@@ -189,7 +208,8 @@ def test_a_storm_with_retries_equals_refeeding_the_batches_by_hand(max_retries, 
   for batch in storm():
     params, opt_state, retries = retry_step(params, opt_state, *batch)
     ref_params, ref_state = refeed_by_hand(plain_step, ref_params, ref_state, batch, max_retries)
-    assert_bits_equal((params, opt_state), (ref_params, ref_state))
+    compare = assert_same_program_results if one_jit else assert_bits_equal
+    compare((params, opt_state), (ref_params, ref_state))
     all_retries.append(int(retries))
   if one_jit:
     assert retry_step._cache_size() == 1  # no recompilation
