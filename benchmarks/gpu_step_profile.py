@@ -86,7 +86,21 @@ def _device_kernels(path: str) -> dict[str, tuple[float, int]]:
   return {k: (v[0], int(v[1])) for k, v in out.items()}
 
 
-def summarize(directory: str, variants: list[str], top: int = 25) -> str:
+#: Kernel kinds by name: cuBLAS's and XLA's matrix products, cuDNN's attention, the rest.
+KINDS = (
+  ("matrix products", ("nvjet", "gemm_fusion", "cutlass", "sm90_xmma", "cublas")),
+  ("attention (cuDNN)", ("cudnn",)),
+)
+
+
+def kind_of(kernel: str) -> str:
+  for kind, prefixes in KINDS:
+    if any(p in kernel for p in prefixes):
+      return kind
+  return "other kernels (fusions, copies)"
+
+
+def summarize(directory: str, variants: list[str], top: int = 25, steps: int = 3) -> str:
   """Each variant's device time and kernel count; the kernels whose time differs most between
   the first two."""
   kernels = {
@@ -94,7 +108,14 @@ def summarize(directory: str, variants: list[str], top: int = 25) -> str:
     for v in variants
     if os.path.exists(os.path.join(directory, f"trace-{v}.json.gz"))
   }
-  lines = []
+  lines = [f"device time a step by kind (ms; {steps} steps traced):"]
+  for name, k in kernels.items():
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    for kernel, (us, _) in k.items():
+      by_kind[kind_of(kernel)] += us / steps / 1e3
+    cells = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(by_kind.items()))
+    lines.append(f"{name}: {sum(by_kind.values()):.2f} ({cells})")
+  lines.append("")
   for name, k in kernels.items():
     total = sum(v[0] for v in k.values())
     calls = sum(v[1] for v in k.values())
@@ -119,12 +140,12 @@ def main(argv=None) -> None:
   p.add_argument("--summarize", default=None, help="a directory of traces to summarize")
   args = p.parse_args(argv)
   if args.summarize:
-    print(summarize(args.summarize, args.variants))
+    print(summarize(args.summarize, args.variants, steps=args.steps))
     return
   if not args.out:
     sys.exit("--out is required to profile")
   _profile(args)
-  print(summarize(args.out, args.variants))
+  print(summarize(args.out, args.variants, steps=args.steps))
 
 
 if __name__ == "__main__":
