@@ -100,28 +100,62 @@ def test_replace_with_a_non_array_names_no_flax_unpacking():
   assert str(e.value) == "dynamic_scale must be a jax_lossscale.DynamicScaleState, got dict."
 
 
-def test_flax_unpacking_of_the_result_says_what_changed(maybe_jit):
-  """``dynamic_scale, is_fin, loss, grads = grad_fn(params)``: Flax's order on jls's result."""
+def flax_imagenet_unpacking_step(state, x):
+  """Flax's ImageNet lines kept after switching to ``state.value_and_grad`` (has_aux, aux[1])."""
+  loss_fn = lambda p: (_loss(p, x), ({"batch_stats": x}, x))
+  grad_fn = state.value_and_grad(loss_fn, has_aux=True)
+  dynamic_scale, is_fin, aux, grads = grad_fn(state.params)
+  _new_model_state, _logits = aux[1]  # upstream: KeyError: 1 (aux was the gradients)
+  return state.apply_gradients(grads=grads, finite=is_fin), dynamic_scale
 
-  def flax_ordered_step(state, x):
-    dynamic_scale, _is_fin, loss, grads = state.value_and_grad(_loss)(state.params, x)
-    new_state = state.apply_gradients(grads=grads)
-    return new_state.replace(dynamic_scale=dynamic_scale), loss
 
+def test_flax_four_name_unpacking_is_refused_where_it_is_written(maybe_jit):
+  """``dynamic_scale, is_fin, aux, grads = grad_fn(params)``: refused at that line, with what
+  to write (not a ``KeyError: 1`` at ``aux[1]``, two lines later, from the gradients' dict)."""
   state = _state()
-  with pytest.raises(TypeError, match=r"grads is a boolean scalar.*ScaledValueAndGrad\(value"):
-    maybe_jit(flax_ordered_step)(state, jnp.ones(2))
-  # The loss written back as the scale state names the order too.
+  with pytest.raises(TypeError) as e:
+    maybe_jit(flax_imagenet_unpacking_step)(state, jnp.ones(2))
+  msg = str(e.value)
+  assert msg.startswith("ScaledValueAndGrad cannot be unpacked: read it by name.")
+  assert "returns (dynamic_scale, is_fin, aux, grads)" in msg  # what changed
+  assert "ScaledValueAndGrad(value, aux, grads, finite)" in msg
+  assert "aux is out.aux (not Flax's (loss, aux): the loss is out.value)" in msg  # aux[1]
+  assert "apply_gradients(grads=out.grads, finite=out.finite" in msg  # what to write
+  # The frame that raised is the unpacking line of the step, not aux[1].
+  tb = e.traceback
+  step_frames = [f for f in tb if f.name == "flax_imagenet_unpacking_step"]
+  assert step_frames and "= grad_fn(state.params)" in str(step_frames[-1].statement)
+  # Its own order and indexing are refused too: the result is read by name only.
   out = state.value_and_grad(_loss)(state.params, jnp.ones(2))
-  with pytest.raises(TypeError, match=r"got ArrayImpl.*returns \(dynamic_scale, is_fin"):
-    state.replace(dynamic_scale=out[0])
+  with pytest.raises(TypeError, match="cannot be unpacked"):
+    _value, _aux, _grads, _finite = out
+  with pytest.raises(TypeError, match=r"cannot be indexed \(\[0\]\): read it by name"):
+    out[0]
 
 
-def test_the_result_still_unpacks_in_its_own_order():
+def test_what_flax_wrote_reads_by_name():
+  """What the error says to write: ``out.aux`` is Flax's ``aux[1]``, ``out.value`` its
+  ``aux[0]``; the result is a pytree (returned from jit, through ``lax`` loops)."""
   state = _state()
-  value, aux, grads, finite = state.value_and_grad(_loss)(state.params, jnp.ones(2))
-  assert float(value) == 2.0 and aux is None and bool(finite)
-  np.testing.assert_array_equal(grads["w"], [2.0, 2.0])
+  loss_fn = lambda p, x: (_loss(p, x), {"logits": x * 3.0})
+  out = jax.jit(lambda s, x: s.value_and_grad(loss_fn, has_aux=True)(s.params, x))(
+    state, jnp.ones(2)
+  )
+  assert isinstance(out, jls.flax.ScaledValueAndGrad)
+  assert float(out.value) == 2.0 and bool(out.finite)
+  np.testing.assert_array_equal(out.aux["logits"], [3.0, 3.0])
+  np.testing.assert_array_equal(out.grads["w"], [2.0, 2.0])
+  # value, aux, grads, finite: the fields' order
+  assert [leaf.dtype for leaf in jax.tree.leaves(out)] == ["float32", "float32", "float32", "bool"]
+
+
+def test_the_finite_flag_as_grads_and_a_loss_as_the_scale_state_say_what_changed():
+  state = _state()
+  out = state.value_and_grad(_loss)(state.params, jnp.ones(2))
+  with pytest.raises(TypeError, match=r"grads is a boolean scalar.*ScaledValueAndGrad\(value"):
+    state.apply_gradients(grads=out.finite)
+  with pytest.raises(TypeError, match=r"got ArrayImpl.*returns \(dynamic_scale, is_fin"):
+    state.replace(dynamic_scale=out.value)
 
 
 def test_scale_state_value_and_grad_points_to_the_train_state():
