@@ -21,6 +21,7 @@ import sys
 
 import flax.linen
 import flax.training.train_state
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +72,50 @@ def test_the_half_migration_is_refused_for_a_copy_of_the_old_scale_state():
   copy = jax.tree.map(lambda a: a, state.dynamic_scale)  # same leaves, another object
   with pytest.raises(ValueError, match="delete Flax's"):
     new.replace(dynamic_scale=copy)
+
+
+def where_merged_step(state, x):
+  """The half-migration that keeps the skip block but merges the scale state with
+  ``jnp.where(is_fin, new, old)``, as it merges params and opt_state."""
+  out = state.value_and_grad(_loss)(state.params, x)
+  is_fin = out.finite
+  new_state = state.apply_gradients(grads=out.grads, finite=is_fin)
+  keep_if_fin = lambda new, old: jax.tree_util.tree_map(
+    functools.partial(jnp.where, is_fin), new, old
+  )
+  return new_state.replace(
+    opt_state=keep_if_fin(new_state.opt_state, state.opt_state),
+    params=keep_if_fin(new_state.params, state.params),
+    dynamic_scale=keep_if_fin(new_state.dynamic_scale, state.dynamic_scale),
+  )
+
+
+def test_the_half_migration_merging_the_scale_with_where_is_harmless(maybe_jit):
+  """On the skipped step ``jnp.where(is_fin, new, old)`` selects the old scale state: its
+  values are replaced by the backed-off ones, so the scale backs off as without the block."""
+  merged, plain = _state(), _state()
+  plain_step = maybe_jit(
+    lambda s, x: s.apply_gradients(grads=s.value_and_grad(_loss)(s.params, x).grads)
+  )
+  merged_step = maybe_jit(where_merged_step)
+  scales = []
+  for x in ([jnp.inf, 1.0], [1.0, 1.0], [jnp.nan, 1.0], [1.0, 0.5]):
+    merged, plain = merged_step(merged, jnp.array(x)), plain_step(plain, jnp.array(x))
+    assert_bits_equal(merged.dynamic_scale, plain.dynamic_scale)
+    assert_bits_equal((merged.params, merged.opt_state), (plain.params, plain.opt_state))
+    scales.append(float(merged.dynamic_scale.scale))
+  assert scales == [32768.0, 32768.0, 16384.0, 16384.0]  # backed off twice: not 65536 throughout
+  assert int(merged.dynamic_scale.skipped_steps) == 2 and int(merged.step) == 2
+
+
+def test_a_deliberate_scale_state_equal_to_another_config_is_kept():
+  """Only a state with the pre-step config and values is taken as written back."""
+  state = _state()
+  new = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  other = jls.DynamicScaleState.create(growth_interval=7)  # 65536 as before, another config
+  assert new.replace(dynamic_scale=other).dynamic_scale is other
+  same_values = jax.tree.map(jnp.copy, state.dynamic_scale)  # new leaves, the pre-step values
+  assert float(new.replace(dynamic_scale=same_values).dynamic_scale.scale) == 32768.0
 
 
 def test_deliberate_scale_state_changes_still_work(maybe_jit):
