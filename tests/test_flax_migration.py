@@ -12,8 +12,9 @@
   Flax's stock TrainState.
 """
 
-import difflib
 import functools
+import hashlib
+import os
 import pathlib
 import re
 import subprocess
@@ -116,6 +117,32 @@ def test_a_deliberate_scale_state_equal_to_another_config_is_kept():
   assert new.replace(dynamic_scale=other).dynamic_scale is other
   same_values = jax.tree.map(jnp.copy, state.dynamic_scale)  # new leaves, the pre-step values
   assert float(new.replace(dynamic_scale=same_values).dynamic_scale.scale) == 32768.0
+
+
+def test_the_scale_to_log_is_the_new_states(maybe_jit):
+  """Flax's ``metrics['scale'] = dynamic_scale.scale`` logged the scale after the step; kept
+  here (``dynamic_scale = state.dynamic_scale``) it is one step late. The new state's, or
+  ``jls.metrics(new_state)``, is the backed-off scale on the step that backed off."""
+
+  def step(state, x):
+    dynamic_scale = state.dynamic_scale  # Flax's line, kept
+    out = state.value_and_grad(_loss)(state.params, x)
+    new_state = state.apply_gradients(grads=out.grads, finite=out.finite)
+    return new_state, {
+      "kept_flax_line": dynamic_scale.scale,
+      "scale": new_state.dynamic_scale.scale,
+      **{f"jls_{k}": v for k, v in jls.metrics(new_state).items()},
+    }
+
+  state, logged = maybe_jit(step)(_state(), jnp.array([jnp.inf, 1.0]))  # backs off
+  assert float(logged["kept_flax_line"]) == 65536.0  # stale: the scale the step started from
+  assert float(logged["scale"]) == 32768.0 == float(logged["jls_scale"])
+  assert bool(logged["jls_last_step_skipped"]) and int(logged["jls_skipped_steps"]) == 1
+  _, logged = maybe_jit(step)(state, jnp.ones(2))  # a clean step: the stale line lags on
+  assert float(logged["kept_flax_line"]) == 32768.0 == float(logged["scale"])
+  assert not bool(logged["jls_last_step_skipped"])
+  page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
+  assert "## What to log" in page and "65536 on the step\nthat backed off to 32768" in page
 
 
 def test_deliberate_scale_state_changes_still_work(maybe_jit):
@@ -383,27 +410,162 @@ def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
   assert "Keep the `.astype(jnp.float32)` of the output before the loss" in text
 
 
-# The migration page: its diff is the difference between its two train steps, which run.
+# The migration page: its patch is a patch of Flax's examples/imagenet/train.py.
 
 _FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+_HUNK = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@$")
+
+#: The upstream file the page patches: google/flax at this commit (Apache-2.0).
+FLAX_COMMIT = "18f8f311c275d57f46d95e41b15aa97b454754c0"
+FLAX_TRAIN_PY_SHA256 = "aa4a8b3cf87f4467a5a3d3b785532274acf33766008a478cfe931240065f2593"
+#: The page's quotes of it, under *Before*: first line -> (line number there, sha256 of the block).
+QUOTED = {
+  "import functools\n": (
+    21,
+    "8c3930877d9667b10fbdbda3a119137362eed2248e3a6b74093c8a13eb5f1964",
+  ),
+  "def train_step(state, batch, learning_rate_fn):\n": (
+    112,
+    "a00a081b79d69393cd1a4f16d0622eeb9630bff0f3e07ea23b19ff1af3930b13",
+  ),
+  "class TrainState(train_state.TrainState):\n": (
+    220,
+    "bb7b895a8b6bb256bc7ac48be7f481461ec7a4fff814208a9c14ff35273e2cbf",
+  ),
+  "def create_train_state(\n": (
+    243,
+    "e6fd2dc20effcec7571d487a41922c9f279534f4f737d1974e17756ed3ceb12f",
+  ),
+}
 
 
-def test_the_migration_page_diff_is_the_difference_between_its_two_train_steps():
+def _page_sections():
+  """The page, its quotes of Flax's file (under *Before*), the patched quotes (the first blocks
+  under *After*, in the same order) and its patch."""
   page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
-  blocks = _FENCE.findall(page)
-  python = [code for lang, code in blocks if lang == "python"]
-  (shown,) = [code for lang, code in blocks if lang == "diff"]
-  before = next(b for b in python if b.startswith("class TrainState(train_state.TrainState)"))
-  after = next(b for b in python if b.startswith("class TrainState(jls.flax.TrainState)"))
-  diff = difflib.unified_diff(
-    before.splitlines(True), after.splitlines(True), "flax/train.py", "jls/train.py", n=2
-  )
-  assert shown == "".join(diff)
-  # The removed lines are Flax's skip block and unpacking; the page's prose names them.
-  assert "-    dynamic_scale, is_fin, aux, grads = grad_fn(state.params)\n" in shown
-  assert "-      dynamic_scale=dynamic_scale,\n" in shown
+  code = lambda start, end: [
+    c
+    for lang, c in _FENCE.findall(page[page.index(start) : page.index(end)])
+    if lang in ("py", "python")
+  ]
+  quoted = [c for c in code("## Before:", "## After:") if c.splitlines(True)[0] in QUOTED]
+  after = code("## After:", "## The patch")
+  assert after[len(quoted)].startswith("p_train_step = jax.pmap(")  # then the run
+  (patch,) = [c for lang, c in _FENCE.findall(page) if lang == "diff"]
+  return page, quoted, after[: len(quoted)], patch
+
+
+def apply_unified_diff(old: list, diff: str) -> list:
+  """``diff`` applied to the lines ``old``, strictly: no fuzz, no offset (``patch -F0`` that
+  also refuses to move a hunk). A line that differs, or lies past ``old``, fails."""
+  lines = diff.splitlines(True)
+  assert lines[0].startswith("--- a/") and lines[1].startswith("+++ b/"), lines[:2]
+  new, done, i = [], 0, 2  # done: how many lines of old are in new
+  while i < len(lines):
+    m = _HUNK.match(lines[i].rstrip("\n"))
+    assert m, f"not a hunk header: {lines[i]!r}"
+    old_start, old_len, new_start, new_len = map(int, m.groups())
+    assert old_start - 1 >= done and new_start == len(new) + old_start - done, lines[i]
+    new += old[done : old_start - 1]
+    at, taken, given = old_start - 1, 0, 0
+    i += 1
+    while i < len(lines) and not lines[i].startswith("@@"):
+      tag, text = lines[i][0], lines[i][1:]
+      if tag in " -":
+        assert at < len(old) and old[at] == text, f"line {at + 1}: {text!r} is {old[at]!r}"
+        at, taken = at + 1, taken + 1
+      if tag in " +":
+        new.append(text)
+        given += 1
+      assert tag in " -+", lines[i]
+      i += 1
+    assert (taken, given) == (old_len, new_len), (old_start, taken, given)
+    done = at
+  return new + old[done:]
+
+
+def _quoted_file(blocks):
+  """Flax's file as the page quotes it: each quoted line at its number, every other line a
+  stand-in that no patch line matches. A quoted definition stands for its lines and the two
+  blank lines that upstream (PEP 8) puts before and after a top-level definition."""
+  text = {}
+  for block in blocks:
+    first = block.splitlines(True)[0]
+    start, digest = QUOTED[first]
+    assert hashlib.sha256(block.encode()).hexdigest() == digest, f"quote changed: {first!r}"
+    for k, line in enumerate(block.splitlines(True)):
+      text[start + k] = line
+    if first.startswith(("def ", "class ")):
+      end = start + len(block.splitlines())
+      text.update({start - 2: "\n", start - 1: "\n", end: "\n", end + 1: "\n"})
+  return [text.get(n, f"<line {n} of Flax's file: not quoted>\n") for n in range(1, max(text) + 1)]
+
+
+def test_the_migration_page_patch_applies_to_the_flax_lines_it_quotes():
+  """The page's patch, applied to Flax's lines that the page quotes under *Before* (at their
+  line numbers in Flax's file), gives the blocks under *After*, which run on the page."""
+  page, quoted, after, patch = _page_sections()
+  assert len(quoted) == len(QUOTED) == 4
+  assert f"commit `{FLAX_COMMIT}`" in page and "Apache License 2.0" in page
+  patched = apply_unified_diff(_quoted_file(quoted), patch)
+  assert len(after) == 4
+  for block in after:
+    lines = block.splitlines(True)
+    (at,) = [k for k, line in enumerate(patched) if line == lines[0]]
+    assert patched[at : at + len(lines)] == lines, lines[0]
+  # Every line the patch removes or keeps is a quoted one (a stand-in never matches), and it
+  # removes Flax's unpacking and skip block.
+  assert "-    dynamic_scale, is_fin, aux, grads = grad_fn(state.params)\n" in patch
+  assert "-        dynamic_scale=dynamic_scale,\n" in patch
+  assert "-    grads = lax.pmean(grads, axis_name='batch')\n" in patch
+  assert "+  metrics['scale'] = new_state.dynamic_scale.scale\n" in patch
   nav = (ROOT / "mkdocs.yml").read_text()
   assert "guides/flax-dynamic-scale.md" in nav
+
+
+def test_the_diff_applier_refuses_what_patch_refuses():
+  old = ["a\n", "b\n", "c\n", "d\n"]
+  good = "--- a/f\n+++ b/f\n@@ -2,2 +2,2 @@\n b\n-c\n+C\n"
+  assert apply_unified_diff(old, good) == ["a\n", "b\n", "C\n", "d\n"]
+  with pytest.raises(AssertionError, match="line 3"):  # a context line that differs
+    apply_unified_diff(old, good.replace("-c", "-x"))
+  with pytest.raises(AssertionError):  # the hunk moved (an offset)
+    apply_unified_diff(old, good.replace("@@ -2,2 +2,2 @@", "@@ -1,2 +1,2 @@"))
+  with pytest.raises(AssertionError):  # a count in the header that is wrong
+    apply_unified_diff(old, good.replace("@@ -2,2 +2,2 @@", "@@ -2,3 +2,3 @@"))
+
+
+@pytest.mark.skipif(
+  not os.environ.get("FLAX_IMAGENET_TRAIN_PY"),
+  reason="FLAX_IMAGENET_TRAIN_PY names no copy of Flax's examples/imagenet/train.py",
+)
+def test_the_migration_page_patch_applies_to_flax_file_with_patch(tmp_path):
+  """With Flax's file at hand (set FLAX_IMAGENET_TRAIN_PY to its path at FLAX_COMMIT), the
+  page's patch applies to all of it with ``patch -p1``, no fuzz, no offset."""
+  source = pathlib.Path(os.environ["FLAX_IMAGENET_TRAIN_PY"]).read_bytes()
+  assert hashlib.sha256(source).hexdigest() == FLAX_TRAIN_PY_SHA256
+  _, quoted, after, patch = _page_sections()
+  for block in quoted:  # verbatim, at their line numbers
+    start = QUOTED[block.splitlines(True)[0]][0] - 1
+    assert source.decode().splitlines(True)[start : start + len(block.splitlines())] == (
+      block.splitlines(True)
+    )
+  target = tmp_path / "examples" / "imagenet" / "train.py"
+  target.parent.mkdir(parents=True)
+  target.write_bytes(source)
+  done = subprocess.run(
+    ["patch", "-p1", "-F0", "--no-backup-if-mismatch"],
+    input=patch,
+    text=True,
+    cwd=tmp_path,
+    capture_output=True,
+    check=True,
+  )
+  assert "offset" not in done.stdout and "fuzz" not in done.stdout, done.stdout
+  text = target.read_text()
+  assert all(block in text for block in after)
+  compile(text, str(target), "exec")
+  assert apply_unified_diff(source.decode().splitlines(True), patch) == text.splitlines(True)
 
 
 def test_the_migration_page_says_why_growth_comes_one_step_earlier():

@@ -16,6 +16,7 @@ a half-done migration keeps of the old code is refused with directions, or made 
 from __future__ import annotations
 
 from typing import Any
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ def checked_scale_state(
     raise ValueError(WRITE_BACK)
   leaves, treedef = jax.tree_util.tree_flatten(ds)
   before_leaves, before_def = jax.tree_util.tree_flatten(before)
-  if treedef != before_def:  # another config: a deliberate change
+  if cast(Any, treedef) != before_def:  # another config: a deliberate change
     return ds
   old = jnp.all(jnp.stack([jnp.all(a == b) for a, b in zip(leaves, before_leaves)]))
   after_leaves = jax.tree_util.tree_leaves(after)
