@@ -115,9 +115,11 @@ def value_and_grad(
   float32 at least, see :func:`jax_lossscale.scale_loss`), then unscales the
   gradients and checks them for inf/NaN in one pass. Unlike Flax's, the
   scaler state is only read, not advanced (:meth:`TrainState.apply_gradients`
-  advances it, with :func:`jax_lossscale.update_scale`), and the result is
-  ``(value, aux, grads, finite)``, not Flax's ``(dynamic_scale, finite, aux,
-  grad)``: read it by name. Pure ``jnp``: use it inside ``jit``.
+  advances it, with :func:`jax_lossscale.update_scale`), and the result is a
+  :class:`ScaledValueAndGrad` read by name (``out.value``, ``out.aux``,
+  ``out.grads``, ``out.finite``), not Flax's ``(dynamic_scale, is_fin, aux,
+  grads)``: unpacking it raises ``TypeError``. Pure ``jnp``: use it inside
+  ``jit``.
 
   Args:
     fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -139,7 +141,7 @@ def value_and_grad(
 
   Returns:
     A function with ``fun``'s signature returning a
-    :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``.
+    :class:`ScaledValueAndGrad` (``value``, ``aux``, ``grads``, ``finite``).
 
   Examples:
     >>> import jax.numpy as jnp
