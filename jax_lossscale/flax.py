@@ -15,8 +15,8 @@ Three ways to use loss scaling with Flax:
   to it as they were).
 
 Coming from ``flax.training.dynamic_scale.DynamicScale``: see the guide
-"Coming from Flax's DynamicScale" (the result's order differs, and Flax's skip
-block after ``apply_gradients`` is to be deleted). After ``import
+"Coming from Flax's DynamicScale" (the result is read by name, not unpacked,
+and Flax's skip block after ``apply_gradients`` is to be deleted). After ``import
 jax_lossscale as jls``, this module is ``jls.flax`` (imported on first use).
 
 * **A loop you do not own** (NNX: tunix's ``PeftTrainer``, any trainer that builds its

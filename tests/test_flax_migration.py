@@ -12,8 +12,9 @@
   Flax's stock TrainState.
 """
 
-import difflib
 import functools
+import hashlib
+import os
 import pathlib
 import re
 import subprocess
@@ -21,6 +22,7 @@ import sys
 
 import flax.linen
 import flax.training.train_state
+from helpers import assert_bits_equal
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,76 @@ def test_the_half_migration_is_refused_for_a_copy_of_the_old_scale_state():
     new.replace(dynamic_scale=copy)
 
 
+def where_merged_step(state, x):
+  """The half-migration that keeps the skip block but merges the scale state with
+  ``jnp.where(is_fin, new, old)``, as it merges params and opt_state."""
+  out = state.value_and_grad(_loss)(state.params, x)
+  is_fin = out.finite
+  new_state = state.apply_gradients(grads=out.grads, finite=is_fin)
+  keep_if_fin = lambda new, old: jax.tree_util.tree_map(
+    functools.partial(jnp.where, is_fin), new, old
+  )
+  return new_state.replace(
+    opt_state=keep_if_fin(new_state.opt_state, state.opt_state),
+    params=keep_if_fin(new_state.params, state.params),
+    dynamic_scale=keep_if_fin(new_state.dynamic_scale, state.dynamic_scale),
+  )
+
+
+def test_the_half_migration_merging_the_scale_with_where_is_harmless(maybe_jit):
+  """On the skipped step ``jnp.where(is_fin, new, old)`` selects the old scale state: its
+  values are replaced by the backed-off ones, so the scale backs off as without the block."""
+  merged, plain = _state(), _state()
+  plain_step = maybe_jit(
+    lambda s, x: s.apply_gradients(grads=s.value_and_grad(_loss)(s.params, x).grads)
+  )
+  merged_step = maybe_jit(where_merged_step)
+  scales = []
+  for x in ([jnp.inf, 1.0], [1.0, 1.0], [jnp.nan, 1.0], [1.0, 0.5]):
+    merged, plain = merged_step(merged, jnp.array(x)), plain_step(plain, jnp.array(x))
+    assert_bits_equal(merged.dynamic_scale, plain.dynamic_scale)
+    assert_bits_equal((merged.params, merged.opt_state), (plain.params, plain.opt_state))
+    scales.append(float(merged.dynamic_scale.scale))
+  assert scales == [32768.0, 32768.0, 16384.0, 16384.0]  # backed off twice: not 65536 throughout
+  assert int(merged.dynamic_scale.skipped_steps) == 2 and int(merged.step) == 2
+
+
+def test_a_deliberate_scale_state_equal_to_another_config_is_kept():
+  """Only a state with the pre-step config and values is taken as written back."""
+  state = _state()
+  new = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  other = jls.DynamicScaleState.create(growth_interval=7)  # 65536 as before, another config
+  assert new.replace(dynamic_scale=other).dynamic_scale is other
+  same_values = jax.tree.map(jnp.copy, state.dynamic_scale)  # new leaves, the pre-step values
+  assert float(new.replace(dynamic_scale=same_values).dynamic_scale.scale) == 32768.0
+
+
+def test_the_scale_to_log_is_the_new_states(maybe_jit):
+  """Flax's ``metrics['scale'] = dynamic_scale.scale`` logged the scale after the step; kept
+  here (``dynamic_scale = state.dynamic_scale``) it is one step late. The new state's, or
+  ``jls.metrics(new_state)``, is the backed-off scale on the step that backed off."""
+
+  def step(state, x):
+    dynamic_scale = state.dynamic_scale  # Flax's line, kept
+    out = state.value_and_grad(_loss)(state.params, x)
+    new_state = state.apply_gradients(grads=out.grads, finite=out.finite)
+    return new_state, {
+      "kept_flax_line": dynamic_scale.scale,
+      "scale": new_state.dynamic_scale.scale,
+      **{f"jls_{k}": v for k, v in jls.metrics(new_state).items()},
+    }
+
+  state, logged = maybe_jit(step)(_state(), jnp.array([jnp.inf, 1.0]))  # backs off
+  assert float(logged["kept_flax_line"]) == 65536.0  # stale: the scale the step started from
+  assert float(logged["scale"]) == 32768.0 == float(logged["jls_scale"])
+  assert bool(logged["jls_last_step_skipped"]) and int(logged["jls_skipped_steps"]) == 1
+  _, logged = maybe_jit(step)(state, jnp.ones(2))  # a clean step: the stale line lags on
+  assert float(logged["kept_flax_line"]) == 32768.0 == float(logged["scale"])
+  assert not bool(logged["jls_last_step_skipped"])
+  page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
+  assert "## What to log" in page and "65536 on the step\nthat backed off to 32768" in page
+
+
 def test_deliberate_scale_state_changes_still_work(maybe_jit):
   state = _state()
   new = maybe_jit(lambda s: s.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])}))(state)
@@ -100,28 +172,62 @@ def test_replace_with_a_non_array_names_no_flax_unpacking():
   assert str(e.value) == "dynamic_scale must be a jax_lossscale.DynamicScaleState, got dict."
 
 
-def test_flax_unpacking_of_the_result_says_what_changed(maybe_jit):
-  """``dynamic_scale, is_fin, loss, grads = grad_fn(params)``: Flax's order on jls's result."""
+def flax_imagenet_unpacking_step(state, x):
+  """Flax's ImageNet lines kept after switching to ``state.value_and_grad`` (has_aux, aux[1])."""
+  loss_fn = lambda p: (_loss(p, x), ({"batch_stats": x}, x))
+  grad_fn = state.value_and_grad(loss_fn, has_aux=True)
+  dynamic_scale, is_fin, aux, grads = grad_fn(state.params)
+  _new_model_state, _logits = aux[1]  # upstream: KeyError: 1 (aux was the gradients)
+  return state.apply_gradients(grads=grads, finite=is_fin), dynamic_scale
 
-  def flax_ordered_step(state, x):
-    dynamic_scale, _is_fin, loss, grads = state.value_and_grad(_loss)(state.params, x)
-    new_state = state.apply_gradients(grads=grads)
-    return new_state.replace(dynamic_scale=dynamic_scale), loss
 
+def test_flax_four_name_unpacking_is_refused_where_it_is_written(maybe_jit):
+  """``dynamic_scale, is_fin, aux, grads = grad_fn(params)``: refused at that line, with what
+  to write (not a ``KeyError: 1`` at ``aux[1]``, two lines later, from the gradients' dict)."""
   state = _state()
-  with pytest.raises(TypeError, match=r"grads is a boolean scalar.*ScaledValueAndGrad\(value"):
-    maybe_jit(flax_ordered_step)(state, jnp.ones(2))
-  # The loss written back as the scale state names the order too.
+  with pytest.raises(TypeError) as e:
+    maybe_jit(flax_imagenet_unpacking_step)(state, jnp.ones(2))
+  msg = str(e.value)
+  assert msg.startswith("ScaledValueAndGrad cannot be unpacked: read it by name.")
+  assert "returns (dynamic_scale, is_fin, aux, grads)" in msg  # what changed
+  assert "ScaledValueAndGrad(value, aux, grads, finite)" in msg
+  assert "aux is out.aux (not Flax's (loss, aux): the loss is out.value)" in msg  # aux[1]
+  assert "apply_gradients(grads=out.grads, finite=out.finite" in msg  # what to write
+  # The frame that raised is the unpacking line of the step, not aux[1].
+  tb = e.traceback
+  step_frames = [f for f in tb if f.name == "flax_imagenet_unpacking_step"]
+  assert step_frames and "= grad_fn(state.params)" in str(step_frames[-1].statement)
+  # Its own order and indexing are refused too: the result is read by name only.
   out = state.value_and_grad(_loss)(state.params, jnp.ones(2))
-  with pytest.raises(TypeError, match=r"got ArrayImpl.*returns \(dynamic_scale, is_fin"):
-    state.replace(dynamic_scale=out[0])
+  with pytest.raises(TypeError, match="cannot be unpacked"):
+    _value, _aux, _grads, _finite = out
+  with pytest.raises(TypeError, match=r"cannot be indexed \(\[0\]\): read it by name"):
+    out[0]
 
 
-def test_the_result_still_unpacks_in_its_own_order():
+def test_what_flax_wrote_reads_by_name():
+  """What the error says to write: ``out.aux`` is Flax's ``aux[1]``, ``out.value`` its
+  ``aux[0]``; the result is a pytree (returned from jit, through ``lax`` loops)."""
   state = _state()
-  value, aux, grads, finite = state.value_and_grad(_loss)(state.params, jnp.ones(2))
-  assert float(value) == 2.0 and aux is None and bool(finite)
-  np.testing.assert_array_equal(grads["w"], [2.0, 2.0])
+  loss_fn = lambda p, x: (_loss(p, x), {"logits": x * 3.0})
+  out = jax.jit(lambda s, x: s.value_and_grad(loss_fn, has_aux=True)(s.params, x))(
+    state, jnp.ones(2)
+  )
+  assert isinstance(out, jls.flax.ScaledValueAndGrad)
+  assert float(out.value) == 2.0 and bool(out.finite)
+  np.testing.assert_array_equal(out.aux["logits"], [3.0, 3.0])
+  np.testing.assert_array_equal(out.grads["w"], [2.0, 2.0])
+  # value, aux, grads, finite: the fields' order
+  assert [leaf.dtype for leaf in jax.tree.leaves(out)] == ["float32", "float32", "float32", "bool"]
+
+
+def test_the_finite_flag_as_grads_and_a_loss_as_the_scale_state_say_what_changed():
+  state = _state()
+  out = state.value_and_grad(_loss)(state.params, jnp.ones(2))
+  with pytest.raises(TypeError, match=r"grads is a boolean scalar.*ScaledValueAndGrad\(value"):
+    state.apply_gradients(grads=out.finite)
+  with pytest.raises(TypeError, match=r"got ArrayImpl.*returns \(dynamic_scale, is_fin"):
+    state.replace(dynamic_scale=out.value)
 
 
 def test_scale_state_value_and_grad_points_to_the_train_state():
@@ -304,27 +410,162 @@ def test_linen_guide_keeps_the_loss_cast_when_only_apply_is_autocast():
   assert "Keep the `.astype(jnp.float32)` of the output before the loss" in text
 
 
-# The migration page: its diff is the difference between its two train steps, which run.
+# The migration page: its patch is a patch of Flax's examples/imagenet/train.py.
 
 _FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+_HUNK = re.compile(r"^@@ -(\d+),(\d+) \+(\d+),(\d+) @@$")
+
+#: The upstream file the page patches: google/flax at this commit (Apache-2.0).
+FLAX_COMMIT = "18f8f311c275d57f46d95e41b15aa97b454754c0"
+FLAX_TRAIN_PY_SHA256 = "aa4a8b3cf87f4467a5a3d3b785532274acf33766008a478cfe931240065f2593"
+#: The page's quotes of it, under *Before*: first line -> (line number there, sha256 of the block).
+QUOTED = {
+  "import functools\n": (
+    21,
+    "8c3930877d9667b10fbdbda3a119137362eed2248e3a6b74093c8a13eb5f1964",
+  ),
+  "def train_step(state, batch, learning_rate_fn):\n": (
+    112,
+    "a00a081b79d69393cd1a4f16d0622eeb9630bff0f3e07ea23b19ff1af3930b13",
+  ),
+  "class TrainState(train_state.TrainState):\n": (
+    220,
+    "bb7b895a8b6bb256bc7ac48be7f481461ec7a4fff814208a9c14ff35273e2cbf",
+  ),
+  "def create_train_state(\n": (
+    243,
+    "e6fd2dc20effcec7571d487a41922c9f279534f4f737d1974e17756ed3ceb12f",
+  ),
+}
 
 
-def test_the_migration_page_diff_is_the_difference_between_its_two_train_steps():
+def _page_sections():
+  """The page, its quotes of Flax's file (under *Before*), the patched quotes (the first blocks
+  under *After*, in the same order) and its patch."""
   page = (ROOT / "docs" / "guides" / "flax-dynamic-scale.md").read_text()
-  blocks = _FENCE.findall(page)
-  python = [code for lang, code in blocks if lang == "python"]
-  (shown,) = [code for lang, code in blocks if lang == "diff"]
-  before = next(b for b in python if b.startswith("class TrainState(train_state.TrainState)"))
-  after = next(b for b in python if b.startswith("class TrainState(jls.flax.TrainState)"))
-  diff = difflib.unified_diff(
-    before.splitlines(True), after.splitlines(True), "flax/train.py", "jls/train.py", n=2
-  )
-  assert shown == "".join(diff)
-  # The removed lines are Flax's skip block and unpacking; the page's prose names them.
-  assert "-    dynamic_scale, is_fin, aux, grads = grad_fn(state.params)\n" in shown
-  assert "-      dynamic_scale=dynamic_scale,\n" in shown
+  code = lambda start, end: [
+    c
+    for lang, c in _FENCE.findall(page[page.index(start) : page.index(end)])
+    if lang in ("py", "python")
+  ]
+  quoted = [c for c in code("## Before:", "## After:") if c.splitlines(True)[0] in QUOTED]
+  after = code("## After:", "## The patch")
+  assert after[len(quoted)].startswith("p_train_step = jax.pmap(")  # then the run
+  (patch,) = [c for lang, c in _FENCE.findall(page) if lang == "diff"]
+  return page, quoted, after[: len(quoted)], patch
+
+
+def apply_unified_diff(old: list, diff: str) -> list:
+  """``diff`` applied to the lines ``old``, strictly: no fuzz, no offset (``patch -F0`` that
+  also refuses to move a hunk). A line that differs, or lies past ``old``, fails."""
+  lines = diff.splitlines(True)
+  assert lines[0].startswith("--- a/") and lines[1].startswith("+++ b/"), lines[:2]
+  new, done, i = [], 0, 2  # done: how many lines of old are in new
+  while i < len(lines):
+    m = _HUNK.match(lines[i].rstrip("\n"))
+    assert m, f"not a hunk header: {lines[i]!r}"
+    old_start, old_len, new_start, new_len = map(int, m.groups())
+    assert old_start - 1 >= done and new_start == len(new) + old_start - done, lines[i]
+    new += old[done : old_start - 1]
+    at, taken, given = old_start - 1, 0, 0
+    i += 1
+    while i < len(lines) and not lines[i].startswith("@@"):
+      tag, text = lines[i][0], lines[i][1:]
+      if tag in " -":
+        assert at < len(old) and old[at] == text, f"line {at + 1}: {text!r} is {old[at]!r}"
+        at, taken = at + 1, taken + 1
+      if tag in " +":
+        new.append(text)
+        given += 1
+      assert tag in " -+", lines[i]
+      i += 1
+    assert (taken, given) == (old_len, new_len), (old_start, taken, given)
+    done = at
+  return new + old[done:]
+
+
+def _quoted_file(blocks):
+  """Flax's file as the page quotes it: each quoted line at its number, every other line a
+  stand-in that no patch line matches. A quoted definition stands for its lines and the two
+  blank lines that upstream (PEP 8) puts before and after a top-level definition."""
+  text = {}
+  for block in blocks:
+    first = block.splitlines(True)[0]
+    start, digest = QUOTED[first]
+    assert hashlib.sha256(block.encode()).hexdigest() == digest, f"quote changed: {first!r}"
+    for k, line in enumerate(block.splitlines(True)):
+      text[start + k] = line
+    if first.startswith(("def ", "class ")):
+      end = start + len(block.splitlines())
+      text.update({start - 2: "\n", start - 1: "\n", end: "\n", end + 1: "\n"})
+  return [text.get(n, f"<line {n} of Flax's file: not quoted>\n") for n in range(1, max(text) + 1)]
+
+
+def test_the_migration_page_patch_applies_to_the_flax_lines_it_quotes():
+  """The page's patch, applied to Flax's lines that the page quotes under *Before* (at their
+  line numbers in Flax's file), gives the blocks under *After*, which run on the page."""
+  page, quoted, after, patch = _page_sections()
+  assert len(quoted) == len(QUOTED) == 4
+  assert f"commit `{FLAX_COMMIT}`" in page and "Apache License 2.0" in page
+  patched = apply_unified_diff(_quoted_file(quoted), patch)
+  assert len(after) == 4
+  for block in after:
+    lines = block.splitlines(True)
+    (at,) = [k for k, line in enumerate(patched) if line == lines[0]]
+    assert patched[at : at + len(lines)] == lines, lines[0]
+  # Every line the patch removes or keeps is a quoted one (a stand-in never matches), and it
+  # removes Flax's unpacking and skip block.
+  assert "-    dynamic_scale, is_fin, aux, grads = grad_fn(state.params)\n" in patch
+  assert "-        dynamic_scale=dynamic_scale,\n" in patch
+  assert "-    grads = lax.pmean(grads, axis_name='batch')\n" in patch
+  assert "+  metrics['scale'] = new_state.dynamic_scale.scale\n" in patch
   nav = (ROOT / "mkdocs.yml").read_text()
   assert "guides/flax-dynamic-scale.md" in nav
+
+
+def test_the_diff_applier_refuses_what_patch_refuses():
+  old = ["a\n", "b\n", "c\n", "d\n"]
+  good = "--- a/f\n+++ b/f\n@@ -2,2 +2,2 @@\n b\n-c\n+C\n"
+  assert apply_unified_diff(old, good) == ["a\n", "b\n", "C\n", "d\n"]
+  with pytest.raises(AssertionError, match="line 3"):  # a context line that differs
+    apply_unified_diff(old, good.replace("-c", "-x"))
+  with pytest.raises(AssertionError):  # the hunk moved (an offset)
+    apply_unified_diff(old, good.replace("@@ -2,2 +2,2 @@", "@@ -1,2 +1,2 @@"))
+  with pytest.raises(AssertionError):  # a count in the header that is wrong
+    apply_unified_diff(old, good.replace("@@ -2,2 +2,2 @@", "@@ -2,3 +2,3 @@"))
+
+
+@pytest.mark.skipif(
+  not os.environ.get("FLAX_IMAGENET_TRAIN_PY"),
+  reason="FLAX_IMAGENET_TRAIN_PY names no copy of Flax's examples/imagenet/train.py",
+)
+def test_the_migration_page_patch_applies_to_flax_file_with_patch(tmp_path):
+  """With Flax's file at hand (set FLAX_IMAGENET_TRAIN_PY to its path at FLAX_COMMIT), the
+  page's patch applies to all of it with ``patch -p1``, no fuzz, no offset."""
+  source = pathlib.Path(os.environ["FLAX_IMAGENET_TRAIN_PY"]).read_bytes()
+  assert hashlib.sha256(source).hexdigest() == FLAX_TRAIN_PY_SHA256
+  _, quoted, after, patch = _page_sections()
+  for block in quoted:  # verbatim, at their line numbers
+    start = QUOTED[block.splitlines(True)[0]][0] - 1
+    assert source.decode().splitlines(True)[start : start + len(block.splitlines())] == (
+      block.splitlines(True)
+    )
+  target = tmp_path / "examples" / "imagenet" / "train.py"
+  target.parent.mkdir(parents=True)
+  target.write_bytes(source)
+  done = subprocess.run(
+    ["patch", "-p1", "-F0", "--no-backup-if-mismatch"],
+    input=patch,
+    text=True,
+    cwd=tmp_path,
+    capture_output=True,
+    check=True,
+  )
+  assert "offset" not in done.stdout and "fuzz" not in done.stdout, done.stdout
+  text = target.read_text()
+  assert all(block in text for block in after)
+  compile(text, str(target), "exec")
+  assert apply_unified_diff(source.decode().splitlines(True), patch) == text.splitlines(True)
 
 
 def test_the_migration_page_says_why_growth_comes_one_step_earlier():

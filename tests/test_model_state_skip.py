@@ -10,6 +10,7 @@ recompile.
 """
 
 import contextlib
+import pathlib
 import sys
 
 import equinox as eqx
@@ -30,6 +31,7 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale.flax import TrainState
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 B, D = 8, 4
 
 
@@ -144,6 +146,25 @@ def test_replace_on_skip_keeps_the_statistics_of_a_finite_forward(maybe_jit):
   # A single name as a string.
   one = maybe_jit(_linen_step("backward_overflow", replace_on_skip="batch_stats"))
   assert_bits_equal(one(state, _data("backward_overflow"))[0].batch_stats, aux["batch_stats"])
+
+
+def test_replace_on_skip_takes_the_nan_statistics_of_an_inf_input_as_documented(maybe_jit):
+  """``replace_on_skip`` is for backward overflows: an inf input's NaN statistics are taken
+  too (what the docs say, next to the option)."""
+  state = _linen_state()
+  new, aux = maybe_jit(_linen_step("inf_input", replace_on_skip="batch_stats"))(
+    state, _data("inf_input")
+  )
+  assert int(new.dynamic_scale.skipped_steps) == 1
+  assert_bits_equal(new.params, state.params)
+  assert_bits_equal(new.batch_stats, aux["batch_stats"])
+  assert not bool(jnp.isfinite(new.batch_stats["BatchNorm_0"]["mean"]).all())  # inf/NaN taken
+  said = "a batch with an inf or NaN *input* writes its NaN statistics in"
+  for page in ("flax-linen.md", "flax-dynamic-scale.md"):
+    text = " ".join((ROOT / "docs" / "guides" / page).read_text().split())
+    assert said in text, page
+  doc = " ".join(TrainState.apply_gradients.__doc__.split())
+  assert "Only for backward overflows" in doc and "writes its NaN statistics in" in doc
 
 
 def test_replace_on_skip_and_field_mismatches_are_refused():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 from typing import Callable
-from typing import NamedTuple
 from typing import Sequence
 
 import jax
@@ -21,6 +20,10 @@ except ImportError as e:  # pragma: no cover - exercised in a venv without flax
     "jax_lossscale.flax needs Flax: install the extra, pip install 'jax-lossscale[flax]'."
   ) from e
 
+from jax_lossscale._integrations._flax_migration import UNPACKING_CHANGED
+from jax_lossscale._integrations._flax_migration import checked_scale_state
+from jax_lossscale._integrations._flax_migration import is_finite_flag
+from jax_lossscale._integrations._flax_migration import refuse_positional
 from jax_lossscale._integrations._model_state import select_tree
 from jax_lossscale._scaler._fp8 import gradient_leaves
 from jax_lossscale._scaler._fp8 import join_variables
@@ -52,24 +55,49 @@ from jax_lossscale._typing import ScaleLike
 __all__ = ("ScaledValueAndGrad", "TrainState", "value_and_grad")
 
 
-class ScaledValueAndGrad(NamedTuple):
-  """What :func:`value_and_grad` returns.
+@struct.dataclass
+class ScaledValueAndGrad:
+  """What :func:`value_and_grad` returns: read it by name.
+
+  A pytree (return it from ``jit``, carry it through ``lax`` loops), but not
+  a tuple: unpacking or indexing it raises ``TypeError``. Flax's
+  ``DynamicScale.value_and_grad`` returns ``(dynamic_scale, is_fin, aux,
+  grads)``; kept after the switch, that unpacking would bind the gradients
+  to ``aux`` and fail far from here (``aux[1]``: ``KeyError: 1``), so it is
+  refused where it is written, with what to write instead.
 
   Attributes:
     value: the loss as ``fun`` computed it (not multiplied by the scale).
     aux: ``fun``'s auxiliary output (``None`` without ``has_aux``); never
-      scaled.
+      scaled. Flax's ``aux`` is ``(loss, aux)``: its ``aux[1]`` is this.
     grads: the true (unscaled) gradients, in ``promote_types(dtype,
       float32)`` of each parameter (float16/bfloat16 gradients come out as
       float32). With ``argnums`` a sequence, a tuple of such pytrees.
     finite: bool scalar: were all gradients finite? If not, the step must be
       skipped (:meth:`TrainState.apply_gradients` does so).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jax_lossscale as jls
+    >>> out = jls.flax.value_and_grad(lambda w: jnp.sum(w ** 2), jls.DynamicScaleState.create())(
+    ...   jnp.ones(2))
+    >>> out.value, out.finite
+    (Array(2., dtype=float32), Array(True, dtype=bool))
+    >>> dynamic_scale, is_fin, aux, grads = out  # Flax's order
+    Traceback (most recent call last):
+    TypeError: ScaledValueAndGrad cannot be unpacked: read it by name. ...
   """
 
   value: jax.Array
   aux: Any
   grads: Any
   finite: jax.Array
+
+  def __iter__(self) -> Any:
+    raise refuse_positional("unpacked")
+
+  def __getitem__(self, index: Any) -> Any:
+    raise refuse_positional(f"indexed ([{index!r}])")
 
 
 def value_and_grad(
@@ -87,9 +115,11 @@ def value_and_grad(
   float32 at least, see :func:`jax_lossscale.scale_loss`), then unscales the
   gradients and checks them for inf/NaN in one pass. Unlike Flax's, the
   scaler state is only read, not advanced (:meth:`TrainState.apply_gradients`
-  advances it, with :func:`jax_lossscale.update_scale`), and the result is
-  ``(value, aux, grads, finite)``, not Flax's ``(dynamic_scale, finite, aux,
-  grad)``: read it by name. Pure ``jnp``: use it inside ``jit``.
+  advances it, with :func:`jax_lossscale.update_scale`), and the result is a
+  :class:`ScaledValueAndGrad` read by name (``out.value``, ``out.aux``,
+  ``out.grads``, ``out.finite``), not Flax's ``(dynamic_scale, is_fin, aux,
+  grads)``: unpacking it raises ``TypeError``. Pure ``jnp``: use it inside
+  ``jit``.
 
   Args:
     fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -111,7 +141,7 @@ def value_and_grad(
 
   Returns:
     A function with ``fun``'s signature returning a
-    :class:`ScaledValueAndGrad` ``(value, aux, grads, finite)``.
+    :class:`ScaledValueAndGrad` (``value``, ``aux``, ``grads``, ``finite``).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -357,7 +387,9 @@ class TrainState(train_state.TrainState):
       replace_on_skip: names of ``kwargs`` fields replaced even on a skipped
         step, e.g. ``("batch_stats",)`` to keep the statistics of a batch
         whose forward pass was finite but whose backward overflowed. A single
-        name may be given as a string.
+        name may be given as a string. Only for backward overflows: a field
+        named here is taken whatever it holds, so a batch with an inf or NaN
+        input writes its NaN statistics in for good.
       **kwargs: other fields to replace (e.g. ``batch_stats``). Their new
         values must have the old ones' structure, shapes and dtypes (a
         skipped step puts the old ones back). Static fields (``apply_fn``,
@@ -372,9 +404,8 @@ class TrainState(train_state.TrainState):
       :func:`jax_lossscale.update_scale`.
 
     Raises:
-      TypeError: ``grads`` is a boolean scalar (the ``finite`` flag, as from
-        unpacking :class:`ScaledValueAndGrad` in the order of Flax's
-        ``DynamicScaleResult``); ``replace_on_skip`` is not a name or a
+      TypeError: ``grads`` is a boolean scalar (the ``finite`` flag, where
+        Flax's order puts its gradients); ``replace_on_skip`` is not a name or a
         sequence of names.
       ValueError: ``finite`` is not a boolean scalar; ``replace_on_skip``
         names a field not passed in ``kwargs``; a field's new value differs
@@ -398,9 +429,9 @@ class TrainState(train_state.TrainState):
       >>> kept.batch_stats["mean"]
       Array([nan, 0.5], dtype=float32)
     """
-    if _is_finite_flag(grads):
+    if is_finite_flag(grads):
       raise TypeError(
-        "grads is a boolean scalar: it looks like the `finite` flag. " + _UNPACKING_CHANGED
+        "grads is a boolean scalar: it looks like the `finite` flag. " + UNPACKING_CHANGED
       )
     replaced_anyway = _field_names("replace_on_skip", replace_on_skip, kwargs)
     if finite is None:
@@ -448,10 +479,12 @@ class TrainState(train_state.TrainState):
 
     :meth:`apply_gradients` already skips the step and advances the scale, so
     Flax's skip block (``new_state.replace(params=jnp.where(is_fin, ...),
-    ..., dynamic_scale=dynamic_scale)``) is to be deleted. Kept, it would
-    write the scale state of before the step back, and the scale would never
-    back off: that is refused here, on the state :meth:`apply_gradients`
-    returned.
+    ..., dynamic_scale=...)``) is to be deleted. Kept, on the state
+    :meth:`apply_gradients` returned, it would undo the back-off: writing the
+    scale state of before the step back is refused; merging it with
+    ``jax.tree.map(functools.partial(jnp.where, is_fin), new, old)`` is made
+    harmless (on a skipped step that selects the old state, whose values are
+    replaced by the backed-off ones; one ``jnp.where`` per leaf).
 
     Raises:
       TypeError: ``dynamic_scale`` is not a :class:`DynamicScaleState`.
@@ -459,23 +492,9 @@ class TrainState(train_state.TrainState):
         made this state started from.
     """
     if "dynamic_scale" in updates:
-      ds = updates["dynamic_scale"]
-      if not isinstance(ds, DynamicScaleState):
-        hint = " " + _UNPACKING_CHANGED if hasattr(ds, "dtype") else ""
-        raise TypeError(
-          f"dynamic_scale must be a jax_lossscale.DynamicScaleState, got {type(ds).__name__}."
-          + hint
-        )
-      before = self.__dict__.get("_scale_before_step")
-      if before is not None and _same_leaves(ds, before):
-        raise ValueError(
-          "dynamic_scale: this writes back the scale state from before apply_gradients, "
-          "which would undo its update (the scale would never back off). "
-          "jax_lossscale.flax.TrainState.apply_gradients already skips a non-finite step "
-          "and advances dynamic_scale: delete Flax's `new_state.replace(opt_state=jnp.where"
-          "(is_fin, ...), params=..., dynamic_scale=...)` block (see the guide 'Coming from "
-          "Flax's DynamicScale')."
-        )
+      updates["dynamic_scale"] = checked_scale_state(
+        updates["dynamic_scale"], self.__dict__.get("_scale_before_step"), self.dynamic_scale
+      )
     return dataclasses.replace(self, **updates)
 
 
@@ -487,28 +506,6 @@ _FIELD_HINT = (
   " Give the field its initial value in TrainState.create (not None), or name it in "
   "replace_on_skip=({!r},) to replace it whether or not the step is skipped."
 )
-
-#: What changed from Flax's ``DynamicScale.value_and_grad``, for the errors that meet its
-#: unpacking.
-_UNPACKING_CHANGED = (
-  "Flax's DynamicScale.value_and_grad returns (dynamic_scale, is_fin, aux, grads); "
-  "jax_lossscale.flax's value_and_grad returns ScaledValueAndGrad(value, aux, grads, "
-  "finite), in another order and without a new scale state (apply_gradients advances it). "
-  "Read it by name: out = state.value_and_grad(loss_fn, has_aux=True)(state.params); "
-  "state = state.apply_gradients(grads=out.grads, finite=out.finite, ...). See the guide "
-  "'Coming from Flax's DynamicScale'."
-)
-
-
-def _is_finite_flag(x: Any) -> bool:
-  """Whether ``x`` is a lone boolean scalar (a ``finite`` flag, not gradients)."""
-  return hasattr(x, "dtype") and x.dtype == jnp.bool_ and jnp.shape(x) == ()
-
-
-def _same_leaves(a: DynamicScaleState, b: DynamicScaleState) -> bool:
-  """Whether two scale states hold the very same leaf objects (one is the other's copy)."""
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  return len(la) == len(lb) and all(x is y for x, y in zip(la, lb))
 
 
 def _field_names(name: str, value: Any, kwargs: dict[str, Any]) -> frozenset[str]:
