@@ -1,4 +1,6 @@
-# Every target builds what it needs into its own virtual environment (.venv).
+# Every target builds what it needs into a virtual environment of its own: .venv for the tests,
+# lint, docs and benchmarks, .venv-demo for the demo (no torch), .venv-gpu-plan for JAX's CUDA
+# plugin (tests/test_gpu_plan.py, make gpu-plan), the compat venvs below.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,10 +10,10 @@ OUT    ?= out
 .PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan mutate lint docs docs-serve dist dist-check clean
 
 help:
-	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU)"
+	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan"
 	@echo "make test-compat - COMPAT=oldest|newest|jax011: the core tests (tests/compat/core.txt) and those of JAX's internals (tests/compat/internals.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
 	@echo "make test-newest - the same tests on the newest jax, flax, optax, equinox, chex, on a Python >= 3.12 (found or built: tools/find_python.sh), in .venv-newest"
-	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU), writes $(OUT)/"
+	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU) in .venv-demo (jax-lossscale[demo], no torch), writes $(OUT)/"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
@@ -37,8 +39,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 venv: $(STAMP)
 
+# The whole suite in .venv, less tests/test_gpu_plan.py: it runs in .venv-gpu-plan (below),
+# the one venv with JAX's CUDA plugin, which every JAX program of its venv loads.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/test_gpu_plan.py
+	$(GPU_PLAN_PY) -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py
 
 # The versions pyproject.toml claims, tested: a venv per version set (tests/compat/oldest.txt
 # pins the lower bounds, tests/compat/newest.txt lets pip pick, tests/compat/jax011.txt takes
@@ -111,8 +116,23 @@ test-newest: $(NEWEST_STAMP)
 	@echo "== exempt (JAX_LOSSSCALE_CI_OPTIONAL):" $$(cat $(NEWEST_VENV)/exempt.txt)
 	CI=1 JAX_LOSSSCALE_CI_OPTIONAL="$$(cat $(NEWEST_VENV)/exempt.txt)" $(NEWEST_PY) -m pytest -q -p no:cacheprovider $(COMPAT_CORE) $(COMPAT_INTERNALS)
 
-demo: $(STAMP)
-	$(PY) examples/demo_fp16.py --out $(OUT)
+# Its own venv with the demo extra only (scikit-learn, matplotlib, tqdm): no torch, no test
+# stack. --no-compile: the modules the demo imports are byte-compiled as it imports them, not
+# every module of every package at install (half the install's time). The install's time is
+# printed; the demo prints its own phases.
+DEMO_VENV  := .venv-demo
+DEMO_PY    := $(DEMO_VENV)/bin/python
+DEMO_STAMP := $(DEMO_VENV)/.installed
+
+$(DEMO_STAMP): pyproject.toml
+	@start=$$(date +%s) && \
+	  $(PYTHON) -m venv $(DEMO_VENV) && \
+	  $(DEMO_PY) -m pip install --quiet --no-compile -e ".[demo]" && \
+	  echo "== $(DEMO_VENV): jax-lossscale[demo] installed in $$(( $$(date +%s) - start )) s"
+	@touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_PY) examples/demo_fp16.py --out $(OUT)
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -161,18 +181,25 @@ gpu-session:
 # The GPU plan (benchmarks/gpu_plan.py): JAX's CUDA plugin, pinned to the installed jaxlib's
 # version, makes a compile-only GPU from a target description (benchmarks/gpu_targets/): no
 # GPU, driver or CUDA libraries needed; CUDA 12's ptxas comes with it (CUDA 13's has no
-# sm_70). `make test` installs it too: tests/test_gpu_plan.py runs in CI (CI=1 requires it).
-GPU_PLAN_STAMP := $(VENV)/.installed-gpu-plan
+# sm_70). In a venv of its own: JAX loads every installed plugin, and on a machine without
+# CUDA this one prints a traceback ("Unable to load CUDA") from every JAX program that does
+# not set JAX_SKIP_CUDA_CONSTRAINTS_CHECK. `make test` runs tests/test_gpu_plan.py there (in
+# CI too: CI=1 requires the plugin). Flax for the NNX step, pytest for the tests.
+GPU_PLAN_VENV  := .venv-gpu-plan
+GPU_PLAN_PY    := $(GPU_PLAN_VENV)/bin/python
+GPU_PLAN_STAMP := $(GPU_PLAN_VENV)/.installed
 
-$(GPU_PLAN_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[gpu-plan]" "jax-cuda12-plugin==$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)')"
+$(GPU_PLAN_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GPU_PLAN_VENV)
+	$(GPU_PLAN_PY) -m pip install --quiet -e ".[flax]" "pytest>=8"
+	$(GPU_PLAN_PY) -m pip install --quiet -e ".[flax,gpu-plan]" "jax-cuda12-plugin==$$($(GPU_PLAN_PY) -c 'import jaxlib; print(jaxlib.__version__)')"
 	touch $(GPU_PLAN_STAMP)
 
 test: $(GPU_PLAN_STAMP)
 
 # Writes gpu-plan-h200.{md,json} and gpu-plan-v100.{md,json} to $(BENCH_OUT) (~10 min on 2 cores).
 gpu-plan: $(GPU_PLAN_STAMP)
-	$(PY) benchmarks/gpu_plan_report.py --out $(BENCH_OUT)
+	$(GPU_PLAN_PY) benchmarks/gpu_plan_report.py --out $(BENCH_OUT)
 
 MUTATE_STAMP := $(VENV)/.installed-mutate
 
@@ -250,4 +277,4 @@ endef
 export DIST_CHECK
 
 clean:
-	rm -rf $(VENV) .venv-compat-* $(NEWEST_VENV) .pytest_cache $(OUT) site dist build
+	rm -rf $(VENV) $(DEMO_VENV) $(GPU_PLAN_VENV) .venv-compat-* $(NEWEST_VENV) .pytest_cache $(OUT) site dist build

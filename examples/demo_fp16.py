@@ -19,7 +19,10 @@ the float32-non-zero elements that came out exactly zero is reported.
 
 ``main`` is four named steps: ``build`` (data, initial parameters, runs),
 ``train_run`` (one run, chunk by chunk, with ``probe_underflow`` before each
-chunk), ``make_report`` and ``write_outputs``.
+chunk), ``make_report`` and ``write_outputs``. It prints the time of each
+phase: data load, compile (``compile_run``, every run's jitted functions ahead
+of training), training (a progress bar per run: tqdm's, or a text bar without
+it) and the table and plot.
 
 Usage::
 
@@ -187,7 +190,7 @@ def load_data(seed: int, test_fraction: float):
   except ImportError:
     raise SystemExit(
       "The demo needs scikit-learn, matplotlib and tqdm: "
-      "pip install 'jax-lossscale[demo]' (or run `make demo`)."
+      "pip install '.[demo]' in the repository (or run `make demo`)."
     ) from None
 
   digits = load_digits()
@@ -426,6 +429,55 @@ def probe_underflow(fns: RunFns, params, opt_state, step: int):
   )
 
 
+def compile_run(setup: Setup, run: Run, fns: RunFns) -> None:
+  """Compiles a run's jitted functions for every shape that ``train_run`` calls them with."""
+  import jax
+  import jax.numpy as jnp
+
+  params = jax.tree_util.tree_map(lambda p: p.astype(run.param_dtype), setup.params0)
+  opt_state = fns.tx.init(params)
+  for n in sorted({hi - lo for lo, hi in setup.chunks}):
+    fns.train_chunk.lower(params, opt_state, jnp.arange(n, dtype=jnp.int32)).compile()
+  if run.compute_dtype != jnp.float32:
+    fns.probe.lower(params, opt_state, jnp.int32(0)).compile()
+  for x, y in ((setup.x_train, setup.y_train), (setup.x_test, setup.y_test)):
+    fns.evaluate.lower(params, x, y).compile()
+
+
+class TextBar:
+  """A progress bar on stderr for when tqdm is not installed (the subset ``train_run`` uses)."""
+
+  def __init__(self, total: int, desc: str, **_):
+    self.total, self.desc, self.n, self.post = total, desc, 0, ""
+    self.t0 = time.perf_counter()
+
+  def update(self, n: int) -> None:
+    self.n += n
+    self._draw()
+
+  def set_postfix(self, post: dict[str, str]) -> None:
+    self.post = ", ".join(f"{k}={v}" for k, v in post.items())
+    self._draw()
+
+  def close(self) -> None:
+    sys.stderr.write("\n")
+
+  def _draw(self) -> None:
+    done = 30 * self.n // self.total
+    sys.stderr.write(
+      f"\r{self.desc}: [{'#' * done}{'.' * (30 - done)}] {self.n}/{self.total} steps, "
+      f"{time.perf_counter() - self.t0:.1f} s, {self.post}"
+    )
+    sys.stderr.flush()
+
+
+def _phase(name: str, t0: float, detail: str = "") -> float:
+  """Prints the phase's time since ``t0``; returns the time now (the next phase's start)."""
+  now = time.perf_counter()
+  print(f"== {name}: {now - t0:.1f} s{detail}", flush=True)
+  return now
+
+
 def train_run(setup: Setup, run: Run, fns: RunFns, tqdm=None):
   """Step 2: trains one run chunk by chunk, probing underflow before each chunk."""
   import jax
@@ -549,20 +601,29 @@ def write_outputs(report: dict[str, Any], curves, out: str, no_plot: bool) -> No
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)  # before importing JAX: --help and errors are instant
+  t = time.perf_counter()
   setup = build(args)
+  t = _phase("data load", t, f" (digits, {len(setup.runs)} runs of {args.steps} steps)")
   try:
-    from tqdm.auto import tqdm
-  except ImportError:  # the bar is a nicety
-    tqdm = None
+    from tqdm.auto import tqdm as bar
+  except ImportError:  # the demo extra has tqdm; without it, a text bar
+    bar = TextBar
   if args.no_progress or not sys.stderr.isatty():
-    tqdm = None
-  t_start = time.perf_counter()
+    bar = None
+  t_start = t
+  fns = [make_run_fns(setup, run) for run in setup.runs]
+  for run, run_fns in zip(setup.runs, fns):
+    compile_run(setup, run, run_fns)
+  t = _phase("compile", t)
   results, curves = [], {}
-  for run in setup.runs:
-    result, curves[run.name] = train_run(setup, run, make_run_fns(setup, run), tqdm)
+  for run, run_fns in zip(setup.runs, fns):
+    result, curves[run.name] = train_run(setup, run, run_fns, bar)
     results.append(result)
-  report = make_report(setup, results, time.perf_counter() - t_start)
+  each = ", ".join(f"{r['run']} {r['seconds']:.1f} s" for r in results)
+  t = _phase("training", t, f" ({each})")
+  report = make_report(setup, results, t - t_start)
   write_outputs(report, curves, args.out, args.no_plot)
+  _phase("table and plot" if not args.no_plot else "table", t)
   return report
 
 

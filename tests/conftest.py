@@ -20,9 +20,10 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# JAX's CUDA plugin (the gpu-plan extra, for tests/test_gpu_plan.py's compile-only GPUs)
-# registers only if it is not asked to check the CUDA libraries, which a CPU machine lacks.
-# Read when JAX first initialises its backends, so set before any test touches JAX.
+# JAX's CUDA plugin (the gpu-plan extra, for tests/test_gpu_plan.py's compile-only GPUs, in
+# .venv-gpu-plan only: see the Makefile) registers only if it is not asked to check the CUDA
+# libraries, which a CPU machine lacks. Read when JAX first initialises its backends, so set
+# before any test touches JAX.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import re

@@ -16,8 +16,9 @@ These tests fail when the GPU program of the scaler regresses:
 
 The model is ``benchmarks/bench_gpt.py``'s GPT at GPT-2 small's widths (d_model 768, 12 heads,
 sequence 1024, vocab 50304) with 2 layers and batch 2: its large leaves (the 38.6M-parameter
-embedding, the blocks' matrices) are GPT-2 small's. In CI the plugin is required (CI=1 fails
-where it is missing); elsewhere these tests skip without it.
+embedding, the blocks' matrices) are GPT-2 small's. ``make test`` runs this file in
+``.venv-gpu-plan``, the one venv with the plugin, and the rest of the suite without it. In CI
+the plugin is required (CI=1 fails where it is missing); elsewhere these tests skip without it.
 """
 
 import functools
