@@ -375,6 +375,8 @@ def test_errors():
     install_loss_scale(lambda x: x)
   with pytest.raises(ValueError, match="output_dtype"):
     install_loss_scale(TinyLM(nnx.Rngs(0)), output_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="model must be callable, got a _NoCall"):
+    install_loss_scale(_NoCall())
   plain = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   with pytest.raises(ValueError, match="optimizer must hold exactly one loss scaler, found 0"):
     link_loss_scale(model, plain)
@@ -390,7 +392,9 @@ def test_errors():
   clash = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
   clash.loss_scale = nnx.Param(jnp.ones(()))
   with pytest.raises(ValueError, match="already has an attribute loss_scale"):
-    link_loss_scale(clash, nnx.Optimizer(clash, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param))
+    link_loss_scale(
+      clash, nnx.Optimizer(clash, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+    )
   assert type(clash) is nnx.Linear
   # Installed, not linked: the forward pass runs, differentiating it raises.
   loss = default_loss_fn(installed, **b)
@@ -459,7 +463,9 @@ def test_the_model_stays_whole():
     assert hasattr(model, name) and hasattr(bare, name)
   assert inspect.signature(model.__call__) == inspect.signature(bare.__call__)
   cache = model.init_cache(2, T, jnp.float16)
-  assert jax.tree_util.tree_structure(cache) == jax.tree_util.tree_structure(bare.init_cache(2, T, jnp.float16))
+  assert jax.tree_util.tree_structure(cache) == jax.tree_util.tree_structure(
+    bare.init_cache(2, T, jnp.float16)
+  )
   # Params at the bare model's paths: state flows both ways with nnx.update.
   assert jax.tree_util.tree_structure(_params(model)) == jax.tree_util.tree_structure(_params(bare))
   nnx.update(bare, _params(model))
@@ -477,7 +483,9 @@ def test_output_dtype_casts_the_logits_only():
   link_loss_scale(model, optimizer, output_dtype=jnp.float32)
   prompt = batches(1)[0]["input_tokens"][:2, :6]
   cache = model.init_cache(2, T, jnp.float16)
-  mask = jnp.pad(model.get_attention_mask(prompt, jnp.ones(prompt.shape, bool)), ((0, 0), (0, 0), (0, T - 6)))
+  mask = jnp.pad(
+    model.get_attention_mask(prompt, jnp.ones(prompt.shape, bool)), ((0, 0), (0, 0), (0, T - 6))
+  )
   positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), prompt.shape)
   logits, new_cache = model(prompt, positions, cache, mask)
   want_logits, want_cache = bare(prompt, positions, cache, mask)
@@ -491,6 +499,10 @@ def test_output_dtype_casts_the_logits_only():
   with pytest.raises(TypeError, match="output_dtype casts the logits"):
     cast = install_loss_scale(_DictOut(), output_dtype=jnp.float32)
     cast(jnp.ones(2, jnp.float16))
+
+
+class _NoCall(nnx.Module):
+  pass
 
 
 class _DictOut(nnx.Module):

@@ -32,7 +32,9 @@ The shared variable is an optimizer-state variable (``nnx.optimizer.OptArray``),
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import cast
 
 from flax import nnx
 import jax
@@ -133,7 +135,11 @@ def cast_logits(out: Any, dtype: Any) -> Any:
   raise TypeError(
     "output_dtype casts the logits: the model's output, or the first element of a tuple or "
     f"list output, as an array; got a {type(out).__name__}"
-    + (f" whose first element is a {type(out[0]).__name__}" if isinstance(out, (tuple, list)) and out else "")
+    + (
+      f" whose first element is a {type(out[0]).__name__}"
+      if isinstance(out, (tuple, list)) and out
+      else ""
+    )
     + ". Cast inside the model or the loss function instead, with output_dtype=None."
   )
 
@@ -185,6 +191,9 @@ class LossScaledModel(nnx.Module):
   #: Set on the instance by link_loss_scale.
   _loss_scale_linked: bool = False
 
+  if TYPE_CHECKING:
+    loss_scale: nnx.Variable
+
 
 _CLASSES: dict[tuple[type, Any], type] = {}
 
@@ -219,18 +228,19 @@ def _scaled_class(cls: type, output_dtype: Any) -> type:
 def _check_model(model: Any, output_dtype: Any) -> Any:
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")
-  if not callable(getattr(type(model), "__call__", None)):
+  if not callable(model):
     raise TypeError(f"model must be callable, got a {type(model).__name__} without __call__.")
   return _check_output_dtype(output_dtype)
 
 
-def _install(model: nnx.Module, output_dtype: Any) -> None:
+def _install(model: nnx.Module, output_dtype: Any) -> LossScaledModel:
   if "loss_scale" in vars(model):
     raise ValueError(
       f"model already has an attribute loss_scale (a {type(vars(model)['loss_scale']).__name__}): "
       "the installed scaling keeps its scale there."
     )
   object.__setattr__(model, "__class__", _scaled_class(type(model), output_dtype))
+  return cast(LossScaledModel, model)
 
 
 def install_loss_scale(model: nnx.Module, *, output_dtype: Any = None) -> nnx.Module:
@@ -259,8 +269,7 @@ def install_loss_scale(model: nnx.Module, *, output_dtype: Any = None) -> nnx.Mo
   output_dtype = _check_model(model, output_dtype)
   if isinstance(model, LossScaledModel):
     raise ValueError("model already has loss scaling installed.")
-  _install(model, output_dtype)
-  model.loss_scale = nnx.optimizer.OptArray(jnp.ones([], jnp.float32))
+  _install(model, output_dtype).loss_scale = nnx.optimizer.OptArray(jnp.ones([], jnp.float32))
   return model
 
 
@@ -355,8 +364,7 @@ def link_loss_scale(
       "was installed before (install_loss_scale): pass output_dtype there."
     )
   if not installed:
-    _install(model, output_dtype)
-    installed = [model]
+    installed = [_install(model, output_dtype)]
   for m in installed:
     m.loss_scale = variable
     m._loss_scale_linked = True
