@@ -29,6 +29,7 @@ from loop_you_do_not_own import StandInSampler
 from loop_you_do_not_own import StandInTrainer
 from loop_you_do_not_own import T
 from loop_you_do_not_own import TinyLM
+from loop_you_do_not_own import V
 from loop_you_do_not_own import batches
 from loop_you_do_not_own import default_loss_fn
 import numpy as np
@@ -734,3 +735,60 @@ def test_retry_value_and_grad_errors():
   link_loss_scale(model, accumulating)
   with pytest.raises(ValueError, match="gradient accumulator"):
     step(model, accumulating, **batches(1)[0])
+
+
+class _DigitTokenizer:
+  """Token ids written as space-separated integers (what tunix's TokenizerAdapter accepts
+  from a tokenizer with ``encode``, ``decode``, ``bos_id``, ``eos_id`` and ``pad_id``)."""
+
+  def encode(self, text, **_):
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **_):
+    return " ".join(str(int(i)) for i in ids)
+
+  def bos_id(self):
+    return 1
+
+  def eos_id(self):
+    return V  # never sampled: every sequence runs to max_tokens_to_generate
+
+  def pad_id(self):
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # tunix 0.1.7 on JAX 0.10's deprecations
+@pytest.mark.parametrize("output_dtype", [None, jnp.float32], ids=["model-dtype", "float32"])
+def test_tunix_vanilla_rollout_built_before_the_link(output_dtype):
+  """tunix's own ``VanillaRollout`` (its ``Sampler``), built from the bare model as
+  ``RLCluster`` builds it, before the trainer and the link: it samples, takes the trained
+  ``nnx.Param`` state through ``update_params`` (tunix's weight sync), and samples again."""
+  pytest.importorskip("tunix", reason="google-tunix is not installed")
+  from tunix.rl.rollout import base_rollout
+  from tunix.rl.rollout import vanilla_rollout
+
+  model = TinyLM(nnx.Rngs(0))
+  c = model.config
+  cache = base_rollout.CacheConfig(
+    cache_size=T, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim
+  )
+  with standard_promotion():  # tunix's sampler is not strict-clean
+    # On its own mesh, as RLCluster places the rollout model (tunix's reshard needs one).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    copy = nnx.clone(model)
+    nnx.update(copy, jax.device_put(nnx.state(copy), NamedSharding(mesh, P())))
+    rollout = vanilla_rollout.VanillaRollout(copy, _DigitTokenizer(), cache)
+    trainer = StandInTrainer(model, jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10))
+    link_loss_scale(trainer.model, trainer.optimizer, output_dtype=output_dtype)
+    config = base_rollout.RolloutConfig(
+      max_tokens_to_generate=6, max_prompt_length=8, temperature=1e-6, top_p=None, seed=None
+    )
+    prompts = ["2 5 8 11 14 17", "3 4 5 6 7 8"]
+    before = rollout.generate(prompts, config)
+    for b in batches(3):
+      trainer.train_step(b)
+    rollout.update_params(nnx.state(trainer.model, nnx.Param), (nnx.Param,))
+    after = rollout.generate(prompts, config)
+  assert _bytes(nnx.state(rollout.model(), nnx.Param)) == _bytes(_params(trainer.model))
+  assert [len(t) for t in before.tokens] == [len(t) for t in after.tokens] == [6, 6]
+  assert not all(np.array_equal(a, b) for a, b in zip(before.tokens, after.tokens))
