@@ -265,6 +265,22 @@ def install_loss_scale(model: nnx.Module, *, output_dtype: Any = None) -> nnx.Mo
     TypeError: ``model`` is not an ``nnx.Module``, or ``output_dtype`` not a dtype.
     ValueError: ``output_dtype`` is not floating, ``model`` is already installed, or it
       has an attribute ``loss_scale`` of its own.
+
+  Examples:
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp, optax
+    >>> import jax_lossscale as jls
+    >>> model = jls.flax.install_loss_scale(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    >>> sorted(nnx.to_pure_dict(nnx.state(model)))  # a checkpoint's structure from now on
+    ['bias', 'kernel', 'loss_scale']
+    >>> try:
+    ...   nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(model)
+    ... except RuntimeError as e:
+    ...   print(str(e)[:45])
+    This model's loss scaling is not linked to an
+    >>> optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+    >>> jls.flax.link_loss_scale(model, optimizer) is model.loss_scale
+    True
   """
   output_dtype = _check_model(model, output_dtype)
   if isinstance(model, LossScaledModel):
