@@ -19,10 +19,11 @@ Coming from ``flax.training.dynamic_scale.DynamicScale``: see the guide
 and Flax's skip block after ``apply_gradients`` is to be deleted). After ``import
 jax_lossscale as jls``, this module is ``jls.flax`` (imported on first use).
 
-* **A loop you do not own** (NNX: tunix's ``PeftTrainer``, any trainer that builds its
-  ``nnx.Optimizer`` and calls ``loss_fn(model, batch)``): wrap the model in
-  :class:`LossScaledModel` and link it to the optimizer with :func:`link_loss_scale`; the
-  model's backward pass is then scaled by the optimizer's own scale variable.
+* **A loop you do not own** (NNX: tunix's ``PeftTrainer`` and ``RLCluster``, any trainer
+  that builds its ``nnx.Optimizer`` and calls ``loss_fn(model, batch)``):
+  :func:`link_loss_scale` installs the scaling in the model, in place (a
+  :class:`LossScaledModel`), and links it to the optimizer; the model's backward pass is
+  then scaled by the optimizer's own scale variable.
 
 Needs Flax (``pip install 'jax-lossscale[flax]'``). The implementation lives in
 :mod:`jax_lossscale._integrations._flax`.
@@ -35,12 +36,14 @@ from jax_lossscale._integrations._flax import value_and_grad as value_and_grad
 # A loop you do not own (tunix, any NNX trainer): the scale shared by the model and its optimizer.
 from jax_lossscale._integrations._shared_retry import retry_value_and_grad as retry_value_and_grad
 from jax_lossscale._integrations._shared_scale import LossScaledModel as LossScaledModel
+from jax_lossscale._integrations._shared_scale import install_loss_scale as install_loss_scale
 from jax_lossscale._integrations._shared_scale import link_loss_scale as link_loss_scale
 
 __all__ = (
   "LossScaledModel",
   "ScaledValueAndGrad",
   "TrainState",
+  "install_loss_scale",
   "link_loss_scale",
   "retry_value_and_grad",
   "value_and_grad",

@@ -6,6 +6,9 @@ test in the same file (run when ``google-tunix`` is installed).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -29,15 +32,30 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyConfig:
+  """What tunix's ``RLCluster`` reads from ``model.config`` to size the sampler's KV cache."""
+
+  num_layers: int = 1
+  num_kv_heads: int = 2
+  head_dim: int = D // 2
+  dtype: Any = jnp.float16
+
+
 class TinyLM(nnx.Module):
   """One pre-norm transformer block, randomly initialised, float32 params.
 
   Called as tunix calls a model: ``model(tokens, positions, cache, attention_mask)`` gives
-  ``(logits, cache)``. ``dtype`` is the compute dtype (float16 or float32).
+  ``(logits, cache)``. ``dtype`` is the compute dtype (float16 or float32). Like tunix's
+  models it has a ``config``, ``init_cache`` and ``get_attention_mask``; with a cache
+  (``init_cache``), the keys and values of ``tokens`` are written at the cache's
+  ``end_index`` and attention runs over the cache (``attention_mask``: ``(B, L, cache
+  size)``).
   """
 
   def __init__(self, rngs: nnx.Rngs, dtype=jnp.float16):
     kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.config = TinyConfig(dtype=dtype)
     self.embed = nnx.Embed(V, D, **kw)
     self.pos = nnx.Embed(T, D, **kw)
     self.ln1 = RMSNorm(D, dtype)
@@ -50,19 +68,35 @@ class TinyLM(nnx.Module):
 
   def __call__(self, tokens, positions, cache, attention_mask):
     x = self.embed(tokens) + self.pos(positions)
-    x = x + self.out(self._attention(self.ln1(x), attention_mask))
+    attended, cache = self._attention(self.ln1(x), cache, attention_mask)
+    x = x + self.out(attended)
     x = x + self.down(nnx.gelu(self.up(self.ln2(x))))
     return self.head(x), cache
 
-  def _attention(self, x, mask):
+  def init_cache(self, batch_size, cache_size, dtype):
+    c = self.config
+    shape = (batch_size, cache_size, c.num_kv_heads, c.head_dim)
+    return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), end_index=jnp.int32(0))
+
+  def get_attention_mask(self, tokens, inputs_mask):
+    """Causal, and no attention to padding: ``(B, L, L)``."""
+    causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
+    return causal[None] & inputs_mask[:, None, :].astype(bool)
+
+  def _attention(self, x, cache, mask):
     """Two-head causal self-attention in the compute dtype (plain einsums: XLA:CPU has no
     float16 dot with a float32 accumulator, which ``nnx.MultiHeadAttention`` asks for)."""
     q, k, v = jnp.split(self.qkv(x).reshape(*x.shape[:2], 3, 2, D // 2), 3, axis=2)
     q, k, v = (a[:, :, 0] for a in (q, k, v))  # (B, T, heads, D / heads)
+    if cache is not None:
+      at = (0, cache["end_index"], 0, 0)
+      k = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), at)
+      v = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), at)
+      cache = dict(k=k, v=v, end_index=cache["end_index"] + x.shape[1])
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.asarray(D // 2, q.dtype))
     logits = jnp.where(mask[:, None], logits, jnp.asarray(-1e4, logits.dtype))
     weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(q.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape), cache
 
 
 def batches(n: int, seed: int = 0) -> list[dict[str, jax.Array]]:
@@ -153,3 +187,68 @@ class StandInTrainer:
       step = nnx.jit(self._train_step, donate_argnames=("optimizer",))
       self._jitted = nnx.cached_partial(step, self.model, self.optimizer)
     return self._jitted(inputs)
+
+
+class StandInSampler:
+  """tunix 0.1.7's vanilla rollout (``Sampler`` and ``VanillaRollout.update_params``), the
+  parts that touch the model.
+
+  As in tunix: the constructor keeps ``nnx.graphdef(model)`` and ``nnx.variables(model)``
+  (``RLCluster`` builds it before the trainer, so before any link); the KV cache comes from
+  ``model.init_cache`` and the prompt's mask from ``model.get_attention_mask`` when the
+  model has them; prefill and a ``lax.while_loop`` of greedy decode steps run the model
+  merged from that graphdef under ``jax.jit``, the cache in the loop's carry; the weight
+  sync merges the trainer's ``nnx.Param`` state into the sampler's and refuses a new state
+  whose structure differs ("New state must have the same structure as the old state").
+  """
+
+  def __init__(self, model, cache_size=T):
+    if not hasattr(model, "config"):  # RLCluster._init_cluster
+      raise ValueError("`self.rollout_actor` must have a config attribute.")
+    self.cache_size = cache_size
+    self._graphdef = nnx.graphdef(model)
+    self._state = nnx.variables(model)
+    self._generate = jax.jit(self._generate_fn, static_argnums=2)
+
+  @property
+  def transformer(self):
+    return nnx.merge(self._graphdef, self._state)
+
+  def update_params(self, params):
+    """``VanillaRollout.update_params`` with ``filter_types=(nnx.Param,)``, then
+    ``Sampler.transformer_state``'s setter."""
+    flat_old, treedef = jax.tree_util.tree_flatten_with_path(self._state)
+    new = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    merged = [new.get(path, x) for path, x in flat_old]
+    new_model = nnx.merge(self._graphdef, jax.tree_util.tree_unflatten(treedef, merged))
+    state = nnx.variables(new_model, nnx.Param)
+    if jax.tree_util.tree_structure(self._state) != jax.tree_util.tree_structure(state):
+      raise ValueError("New state must have the same structure as the old state.")
+    self._state = state
+
+  def _generate_fn(self, state, prompt, steps):
+    model = nnx.merge(self._graphdef, state)
+    b, length = prompt.shape
+    cache = model.init_cache(b, self.cache_size, model.config.dtype)
+    mask = model.get_attention_mask(prompt, inputs_mask=jnp.ones(prompt.shape, bool))
+    mask = jnp.pad(mask, ((0, 0), (0, 0), (0, self.cache_size - length)))
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), prompt.shape)
+    logits, cache = model(prompt, positions, cache, mask)
+    tokens = jnp.zeros((b, length + steps), jnp.int32).at[:, :length].set(prompt)
+    tokens = tokens.at[:, length].set(jnp.argmax(logits[:, -1], -1).astype(jnp.int32))
+
+    def step(carry):
+      i, tokens, cache = carry
+      last = jax.lax.dynamic_slice_in_dim(tokens, i, 1, axis=1)
+      seen = jnp.arange(self.cache_size) <= i
+      mask = jnp.broadcast_to(seen, (b, 1, self.cache_size))
+      logits, cache = model(last, jnp.full((b, 1), i, jnp.int32), cache, mask)
+      nxt = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+      return i + 1, jax.lax.dynamic_update_slice_in_dim(tokens, nxt[:, None], i + 1, 1), cache
+
+    cond = lambda carry: carry[0] < length + steps - 1
+    return jax.lax.while_loop(cond, step, (jnp.int32(length), tokens, cache))[1]
+
+  def generate(self, prompt, steps):
+    """Greedy continuation of ``prompt`` (``(B, L)`` int32) by ``steps`` tokens."""
+    return self._generate(self._state, prompt, steps)

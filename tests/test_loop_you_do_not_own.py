@@ -1,8 +1,10 @@
-"""Loss scaling in a loop the user does not own: ``LossScaledModel`` + ``link_loss_scale``.
+"""Loss scaling in a loop the user does not own: ``link_loss_scale`` (and ``install_loss_scale``).
 
 The loop is ``StandInTrainer`` (tunix 0.1.7's ``PeftTrainer`` step, see
-``loop_you_do_not_own.py``), never edited; the user wraps the model, passes
-``dynamic_loss_scale(tx)`` as the optimizer and links the two. Checked here: float16
+``loop_you_do_not_own.py``), never edited; the user passes ``dynamic_loss_scale(tx)`` as
+the optimizer and links the model to it, which installs the scaling in the model in place.
+``StandInSampler`` is tunix's vanilla rollout, built before the link: it keeps sampling
+and takes the trainer's weights. Checked here: float16
 training tracks float32; gradients equal those of ``scale_loss`` bit for bit; a skipped step
 leaves params, optimizer state and the scale's counters as the torch rule says; the step
 compiles once; the scale gets no gradient; gradient accumulation, checkpoints and sharded
@@ -12,6 +14,7 @@ params; the errors; a GRPO-shaped RL update retried at a lower scale instead of 
 """
 
 import contextlib
+import inspect
 
 from flax import nnx
 from helpers import ROOT
@@ -22,8 +25,11 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from loop_you_do_not_own import StandInSampler
 from loop_you_do_not_own import StandInTrainer
+from loop_you_do_not_own import T
 from loop_you_do_not_own import TinyLM
+from loop_you_do_not_own import V
 from loop_you_do_not_own import batches
 from loop_you_do_not_own import default_loss_fn
 import numpy as np
@@ -32,6 +38,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale.flax import LossScaledModel
+from jax_lossscale.flax import install_loss_scale
 from jax_lossscale.flax import link_loss_scale
 
 
@@ -49,9 +56,8 @@ def _scale_state(optimizer):
 
 
 def _trainer(tx, dtype=jnp.float16, output_dtype=None, **kwargs):
-  model = LossScaledModel(TinyLM(nnx.Rngs(0), dtype=dtype), output_dtype=output_dtype)
-  trainer = StandInTrainer(model, tx, **kwargs)
-  link_loss_scale(trainer.model, trainer.optimizer)
+  trainer = StandInTrainer(TinyLM(nnx.Rngs(0), dtype=dtype), tx, **kwargs)
+  link_loss_scale(trainer.model, trainer.optimizer, output_dtype=output_dtype)
   return trainer
 
 
@@ -103,12 +109,12 @@ def test_same_gradients_as_scale_loss(dtype, output_dtype):
   jitted float16 loop on the transformer (XLA fuses the two programs differently)."""
   x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
   y = jnp.asarray(np.random.default_rng(1).integers(0, 4, size=8), jnp.int32)
-  model = _MLP(dtype)
-  wrapped = LossScaledModel(model, output_dtype=output_dtype)
+  wrapped = _MLP(dtype)
+  model = nnx.clone(wrapped)  # the same params, not linked
   optimizer = nnx.Optimizer(
     wrapped, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10), wrt=nnx.Param
   )
-  link_loss_scale(wrapped, optimizer)
+  link_loss_scale(wrapped, optimizer, output_dtype=output_dtype)
 
   def loss_fn(m):
     logits = m(x.astype(dtype))
@@ -120,7 +126,7 @@ def test_same_gradients_as_scale_loss(dtype, output_dtype):
   with jax.disable_jit():
     _, grads = nnx.value_and_grad(lambda m: jls.scale_loss(loss_fn(m), optimizer.opt_state))(model)
     _, wrapped_grads = nnx.value_and_grad(loss_fn)(wrapped)
-  assert _bytes(grads) == _bytes(wrapped_grads["model"])
+  assert _bytes(grads) == _bytes(wrapped_grads)
   if dtype == jnp.float32:
     return  # the jitted loop: once, in float16
 
@@ -146,7 +152,7 @@ def test_same_gradients_as_scale_loss(dtype, output_dtype):
   for b in batches(2):
     loss, _, _ = trainer.train_step(b)
     np.testing.assert_allclose(loss, hand_written(ref, ref_opt, b), rtol=1e-6)
-  got, want = _params(trainer.model.model), _params(ref)
+  got, want = _params(trainer.model), _params(ref)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
 
@@ -180,13 +186,13 @@ def test_skipped_step_is_the_torch_rule_bit_for_bit():
 
 
 def test_the_scale_gets_no_gradient_and_is_no_param():
-  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  model = TinyLM(nnx.Rngs(0))
   tx = jls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   variable = link_loss_scale(model, optimizer)
   assert isinstance(variable, nnx.optimizer.OptState) and not isinstance(variable, nnx.Param)
   grads = nnx.jit(nnx.grad(default_loss_fn))(model, **batches(1)[0])
-  assert "loss_scale" not in grads and set(grads) == {"model"}
+  assert "loss_scale" not in grads and "loss_scale" in nnx.state(model)
   assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(_params(model))
   # The optimizer's param-shaped state has no entry for it either.
   assert "loss_scale" not in nnx.as_pure(optimizer.opt_state.inner_state[0].trace)
@@ -197,9 +203,9 @@ def test_forward_is_unchanged_and_output_dtype_is_exact():
   b = batches(1)[0]
   args = (b["input_tokens"], b["positions"], None, b["attention_mask"])
   for output_dtype in (None, jnp.float32):
-    model = LossScaledModel(inner, output_dtype=output_dtype)
+    model = nnx.clone(inner)
     optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
-    link_loss_scale(model, optimizer)
+    link_loss_scale(model, optimizer, output_dtype=output_dtype)
     logits, cache = model(*args)
     want = inner(*args)[0]
     assert cache is None and logits.dtype == (output_dtype or jnp.float16)
@@ -237,7 +243,7 @@ def test_gradient_accumulation_with_multi_steps():
   assert all(scales[i] == scales[i - 1] for i in range(2, 8, 2))
   state = _scale_state(trainer.optimizer)
   assert int(state.skipped_steps) >= 1 and int(state.growth_tracker) + int(state.skipped_steps) < 4
-  got, want = _params(trainer.model.model), _params(model)
+  got, want = _params(trainer.model), _params(model)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     # Two programs fused differently, in float16: equal to float16 rounding.
     np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-5)
@@ -245,14 +251,16 @@ def test_gradient_accumulation_with_multi_steps():
   assert trainer.traces == 1
 
 
-def test_stock_multisteps_warns(fresh_warnings):
-  """tunix's own accumulation (a stock ``optax.MultiSteps``) keeps NaN after an overflow."""
-  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+def test_stock_multisteps_is_refused():
+  """tunix's own accumulation (a stock ``optax.MultiSteps``) keeps NaN after an overflow, so
+  every later step would be skipped: the link refuses it and names the replacement."""
+  model = TinyLM(nnx.Rngs(0))
   trainer = StandInTrainer(
     model, jls.dynamic_loss_scale(optax.sgd(0.1)), gradient_accumulation_steps=2
   )
-  with pytest.warns(jls.LossScaleWarning, match="jax_lossscale.multi_steps"):
+  with pytest.raises(ValueError, match=r"gradient_accumulation_steps.*jls\.multi_steps\("):
     link_loss_scale(trainer.model, trainer.optimizer)
+  assert type(model) is TinyLM and "loss_scale" not in nnx.state(model)  # left as it was
 
 
 def test_checkpoint_restored_before_the_link_continues_bit_for_bit(tmp_path):
@@ -261,7 +269,8 @@ def test_checkpoint_restored_before_the_link_continues_bit_for_bit(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   tx = jls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9), init_scale=2.0**19, growth_interval=2)
   data = batches(6)
-  trainer = _trainer(tx)
+  trainer = StandInTrainer(install_loss_scale(TinyLM(nnx.Rngs(0))), tx)
+  link_loss_scale(trainer.model, trainer.optimizer)
   for b in data[:3]:
     trainer.train_step(b)
   with ocp.StandardCheckpointer() as ckpt:
@@ -275,7 +284,7 @@ def test_checkpoint_restored_before_the_link_continues_bit_for_bit(tmp_path):
   for b in data[3:]:
     trainer.train_step(b)
 
-  model = LossScaledModel(TinyLM(nnx.Rngs(1)))  # other initial params: all are restored
+  model = install_loss_scale(TinyLM(nnx.Rngs(1)))  # other initial params: all are restored
   resumed = StandInTrainer(model, tx)
   with ocp.StandardCheckpointer() as ckpt:
     restored = ckpt.restore(tmp_path / "ckpt")
@@ -327,7 +336,7 @@ def _fsdp_loss(model, x):
 def _run_fsdp(axis_type):
   mesh = jax.make_mesh((8,), ("d",), axis_types=(axis_type,))
   with jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext():
-    model = LossScaledModel(_FSDPModel(mesh))  # sharded before the trainer builds the optimizer
+    model = _FSDPModel(mesh)  # sharded before the trainer builds the optimizer
     tx = jls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9), init_scale=2.0**16)
     trainer = StandInTrainer(model, tx).with_loss_fn(_fsdp_loss)
     link_loss_scale(trainer.model, trainer.optimizer)
@@ -361,33 +370,48 @@ def test_sharded_params_keep_their_sharding():
 
 
 def test_errors():
-  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  model = TinyLM(nnx.Rngs(0))
   b = batches(1)[0]
-  with pytest.raises(RuntimeError, match="link_loss_scale"):
-    default_loss_fn(model, **b)
   with pytest.raises(TypeError, match=r"model must be an nnx\.Module"):
-    LossScaledModel(lambda x: x)
+    install_loss_scale(lambda x: x)
   with pytest.raises(ValueError, match="output_dtype"):
-    LossScaledModel(TinyLM(nnx.Rngs(0)), output_dtype=jnp.int32)
+    install_loss_scale(TinyLM(nnx.Rngs(0)), output_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="model must be callable, got a _NoCall"):
+    install_loss_scale(_NoCall())
   plain = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   with pytest.raises(ValueError, match="optimizer must hold exactly one loss scaler, found 0"):
     link_loss_scale(model, plain)
   scaled = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
-  with pytest.raises(ValueError, match="model holds no LossScaledModel"):
-    link_loss_scale(TinyLM(nnx.Rngs(0)), scaled)
   with pytest.raises(TypeError, match=r"optimizer must be an nnx\.Optimizer"):
     link_loss_scale(model, scaled.opt_state)
-  assert not model.linked
+  assert type(model) is TinyLM  # every refusal leaves the model as it was
+  installed = install_loss_scale(TinyLM(nnx.Rngs(0)), output_dtype=jnp.float32)
+  with pytest.raises(ValueError, match="already has loss scaling installed"):
+    install_loss_scale(installed)
+  with pytest.raises(ValueError, match="pass output_dtype there"):
+    link_loss_scale(installed, scaled, output_dtype=jnp.float32)
+  clash = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  clash.loss_scale = nnx.Param(jnp.ones(()))
+  with pytest.raises(ValueError, match="already has an attribute loss_scale"):
+    link_loss_scale(
+      clash, nnx.Optimizer(clash, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+    )
+  assert type(clash) is nnx.Linear
+  # Installed, not linked: the forward pass runs, differentiating it raises.
+  loss = default_loss_fn(installed, **b)
+  assert np.isfinite(float(loss))
+  with pytest.raises(RuntimeError, match="link_loss_scale"):
+    nnx.jit(nnx.grad(default_loss_fn))(installed, **b)
 
 
 def test_link_and_output_dtype_errors_name_the_argument():
-  model = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   with pytest.raises(TypeError) as e:
     link_loss_scale(lambda x: x, optimizer)
   assert str(e.value) == "model must be an nnx.Module, got function."
   with pytest.raises(TypeError) as e:
-    LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), output_dtype="not a dtype")
+    link_loss_scale(model, optimizer, output_dtype="not a dtype")
   assert str(e.value) == "output_dtype must be a floating dtype or None, got 'not a dtype'."
   # An optimizer whose state holds the scale as a bare array (not an nnx.Variable).
   optimizer.opt_state = nnx.as_pure(optimizer.opt_state)
@@ -395,7 +419,7 @@ def test_link_and_output_dtype_errors_name_the_argument():
     TypeError, match=r"optimizer\.opt_state holds its scale as a \w+, not an nnx\.Variable"
   ):
     link_loss_scale(model, optimizer)
-  assert not model.linked
+  assert type(model) is nnx.Linear
 
 
 class _TwoOutputs(nnx.Module):
@@ -409,20 +433,112 @@ class _TwoOutputs(nnx.Module):
     return y, jnp.argmax(y).astype(jnp.int32)
 
 
-def test_wrapper_passes_keyword_arguments_and_casts_only_the_floating_outputs():
-  model = LossScaledModel(_TwoOutputs(), output_dtype=jnp.float32)
+def test_installed_call_passes_keyword_arguments():
+  model = _TwoOutputs()
   optimizer = nnx.Optimizer(
     model, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), wrt=nnx.Param
   )
-  link_loss_scale(model, optimizer)
+  link_loss_scale(model, optimizer, output_dtype=jnp.float32)
   y, i = model(jnp.array([1.0, 2.0], jnp.float16), offset=jnp.float16(1.0))
   assert y.dtype == jnp.float32 and i.dtype == jnp.int32
   np.testing.assert_array_equal(y, np.array([4.0, 7.0], np.float32))
   assert int(i) == 1
+  assert list(inspect.signature(model.__call__).parameters) == ["x", "offset"]
+
+
+def test_the_model_stays_whole():
+  """The link installs the scaling in the model itself: the same object, its class (a
+  subclass of the same name), its attributes and methods as code that inspects it sees them
+  (tunix's RLCluster reads ``config``, its Sampler ``init_cache``, ``get_attention_mask`` and
+  ``__call__``'s signature, DPOTrainer ``hasattr(model, "get_attention_mask")``), its params
+  at the same paths as the bare model's."""
+  model = TinyLM(nnx.Rngs(0))
+  bare = nnx.clone(model)
+  config = model.config
+  trainer = StandInTrainer(model, jls.dynamic_loss_scale(optax.sgd(0.1)))
+  link_loss_scale(trainer.model, trainer.optimizer)
+  assert trainer.model is model and isinstance(model, TinyLM) and isinstance(model, LossScaledModel)
+  assert type(model).__name__ == "TinyLM" and type(bare) is TinyLM
+  assert model.config is config
+  for name in ("config", "init_cache", "get_attention_mask", "embed", "head"):
+    assert hasattr(model, name) and hasattr(bare, name)
+  assert inspect.signature(model.__call__) == inspect.signature(bare.__call__)
+  cache = model.init_cache(2, T, jnp.float16)
+  assert jax.tree_util.tree_structure(cache) == jax.tree_util.tree_structure(
+    bare.init_cache(2, T, jnp.float16)
+  )
+  # Params at the bare model's paths: state flows both ways with nnx.update.
+  assert jax.tree_util.tree_structure(_params(model)) == jax.tree_util.tree_structure(_params(bare))
+  nnx.update(bare, _params(model))
+  nnx.update(model, _params(bare))
+  StandInSampler(model)  # RLCluster's check: `rollout_actor must have a config attribute`
+
+
+def test_output_dtype_casts_the_logits_only():
+  """``output_dtype`` casts the first output (the logits); the KV cache returned beside them
+  keeps its float16 keys and values and its int32 index, so a decode loop that carries the
+  cache runs (a sampler built after the link, here)."""
+  model = TinyLM(nnx.Rngs(0))
+  bare = nnx.clone(model)
+  optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
+  link_loss_scale(model, optimizer, output_dtype=jnp.float32)
+  prompt = batches(1)[0]["input_tokens"][:2, :6]
+  cache = model.init_cache(2, T, jnp.float16)
+  mask = jnp.pad(
+    model.get_attention_mask(prompt, jnp.ones(prompt.shape, bool)), ((0, 0), (0, 0), (0, T - 6))
+  )
+  positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), prompt.shape)
+  logits, new_cache = model(prompt, positions, cache, mask)
+  want_logits, want_cache = bare(prompt, positions, cache, mask)
+  assert logits.dtype == jnp.float32 and want_logits.dtype == jnp.float16
+  assert new_cache["k"].dtype == new_cache["v"].dtype == jnp.float16
+  assert new_cache["end_index"].dtype == jnp.int32 and int(new_cache["end_index"]) == 6
+  assert _bytes(new_cache) == _bytes(want_cache)
+  assert np.asarray(logits.astype(jnp.float16)).tobytes() == np.asarray(want_logits).tobytes()
+  got = StandInSampler(model).generate(prompt, 6)
+  np.testing.assert_array_equal(got, StandInSampler(bare).generate(prompt, 6))
+  with pytest.raises(TypeError, match="output_dtype casts the logits"):
+    cast = install_loss_scale(_DictOut(), output_dtype=jnp.float32)
+    cast(jnp.ones(2, jnp.float16))
+
+
+class _NoCall(nnx.Module):
+  pass
+
+
+class _DictOut(nnx.Module):
+  def __call__(self, x):
+    return {"logits": x}
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "own-copy"])
+@pytest.mark.parametrize("output_dtype", [None, jnp.float32], ids=["model-dtype", "float32"])
+def test_sampler_built_before_the_link_samples_and_syncs(colocated, output_dtype):
+  """tunix's RL order: RLCluster builds the sampler from the bare model (the same object
+  when colocated, a copy on another mesh), then the trainer; the user links after. The
+  sampler's graph, taken before the link, samples; the trainer's ``nnx.Param`` state syncs
+  into it without a structure error, and it then samples what the trained model samples."""
+  model = TinyLM(nnx.Rngs(0))
+  sampler = StandInSampler(model if colocated else nnx.clone(model))
+  tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10)
+  trainer = StandInTrainer(model, tx)
+  link_loss_scale(trainer.model, trainer.optimizer, output_dtype=output_dtype)
+  prompt = batches(1, seed=3)[0]["input_tokens"][:, :8]
+  before = sampler.generate(prompt, 6)
+  for b in batches(3):
+    trainer.train_step(b)
+  assert int(_scale_state(trainer.optimizer).skipped_steps) == 0  # three applied updates
+  sampler.update_params(nnx.state(trainer.model, nnx.Param))
+  assert _bytes(nnx.state(sampler.transformer, nnx.Param)) == _bytes(_params(trainer.model))
+  trained = nnx.merge(nnx.graphdef(TinyLM(nnx.Rngs(0))), _params(trainer.model))
+  after = sampler.generate(prompt, 6)
+  np.testing.assert_array_equal(after, StandInSampler(trained).generate(prompt, 6))
+  assert not np.array_equal(after, before)  # the sync moved the sampler's weights
 
 
 def test_retry_value_and_grad_with_aux():
-  model = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  bare = nnx.clone(model)
   optimizer = nnx.Optimizer(
     model, jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=8.0), wrt=nnx.Param
   )
@@ -430,11 +546,11 @@ def test_retry_value_and_grad_with_aux():
   x = jnp.ones((1, 2))
   loss_fn = lambda m, x: (jnp.sum(m(x)), 2 * x)
   out = jls.flax.retry_value_and_grad(loss_fn, has_aux=True)(model, optimizer, x)
-  assert float(out.value) == float(jnp.sum(model.model(x)))
+  assert float(out.value) == float(jnp.sum(bare(x)))
   np.testing.assert_array_equal(out.aux, np.full((1, 2), 2.0, np.float32))
   # The gradients of the loss scaled by 8, for optimizer.update to unscale.
-  np.testing.assert_array_equal(out.grads["model"]["bias"][...], np.array([8.0], np.float32))
-  np.testing.assert_array_equal(out.grads["model"]["kernel"][...], np.full((2, 1), 8.0))
+  np.testing.assert_array_equal(out.grads["bias"][...], np.array([8.0], np.float32))
+  np.testing.assert_array_equal(out.grads["kernel"][...], np.full((2, 1), 8.0))
   assert int(out.retries) == 0
 
 
@@ -444,13 +560,13 @@ class _Pair(nnx.Module):
     self.b = b
 
 
-def test_retry_value_and_grad_refuses_a_model_with_one_wrapper_left_unlinked():
-  linked = LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+def test_retry_value_and_grad_refuses_a_model_with_one_part_left_unlinked():
+  linked = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(linked, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   link_loss_scale(linked, optimizer)
-  model = _Pair(linked, LossScaledModel(nnx.Linear(2, 1, rngs=nnx.Rngs(1))))
+  model = _Pair(linked, install_loss_scale(nnx.Linear(2, 1, rngs=nnx.Rngs(1))))
   step = jls.flax.retry_value_and_grad(lambda m, x: jnp.sum(m.a(x)))
-  with pytest.raises(ValueError, match="model must hold a LossScaledModel linked to optimizer"):
+  with pytest.raises(ValueError, match="LossScaledModel linked to optimizer"):
     step(model, optimizer, jnp.ones((1, 2)))
 
 
@@ -465,7 +581,7 @@ def _rollout(model, key, prompts):
   tokens = jnp.repeat(prompts["input_tokens"], G, axis=0)
   positions = jnp.repeat(prompts["positions"], G, axis=0)
   mask = jnp.repeat(prompts["attention_mask"], G, axis=0)
-  logits, _ = model.model(tokens, positions, None, mask)
+  logits, _ = model(tokens, positions, None, mask)
   logits = logits[:, :-1].astype(jnp.float32)
   sampled = jax.random.categorical(key, logits)
   logp = jnp.take_along_axis(jax.nn.log_softmax(logits), sampled[..., None], -1)[..., 0]
@@ -492,7 +608,7 @@ def grpo_loss(model, input_tokens, positions, attention_mask, sampled, old_logp,
 
 
 def _policy(init_scale):
-  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  model = TinyLM(nnx.Rngs(0))
   tx = jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=init_scale)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   link_loss_scale(model, optimizer)
@@ -571,10 +687,9 @@ def test_tunix_peft_trainer_in_float16():
     inputs = lambda x: ns["model_inputs"](x.input_tokens)
     as_input = lambda t: peft_trainer.TrainingInput(input_tokens=t, input_mask=jnp.ones(t.shape))
     config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=30)
-    model = LossScaledModel(ns["TinyLM"](nnx.Rngs(0)), output_dtype=jnp.float32)
     tx = jls.dynamic_loss_scale(optax.adam(3e-3), init_scale=2.0**20, growth_interval=10)
-    trainer = peft_trainer.PeftTrainer(model, tx, config)
-    link_loss_scale(trainer.model, trainer.optimizer)
+    trainer = peft_trainer.PeftTrainer(ns["TinyLM"](nnx.Rngs(0)), tx, config)
+    link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
     trainer.with_gen_model_input_fn(inputs)
     counts = []
 
@@ -610,7 +725,7 @@ def test_retry_value_and_grad_errors():
   with pytest.raises(ValueError, match="max_retries"):
     jls.flax.retry_value_and_grad(grpo_loss, max_retries=-1)
   step = jls.flax.retry_value_and_grad(default_loss_fn)
-  model = LossScaledModel(TinyLM(nnx.Rngs(0)))
+  model = TinyLM(nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, jls.dynamic_loss_scale(optax.sgd(0.1)), wrt=nnx.Param)
   with pytest.raises(ValueError, match="linked to optimizer"):
     step(model, optimizer, **batches(1)[0])  # not linked
@@ -620,3 +735,134 @@ def test_retry_value_and_grad_errors():
   link_loss_scale(model, accumulating)
   with pytest.raises(ValueError, match="gradient accumulator"):
     step(model, accumulating, **batches(1)[0])
+
+
+class _DigitTokenizer:
+  """Token ids written as space-separated integers (what tunix's TokenizerAdapter accepts
+  from a tokenizer with ``encode``, ``decode``, ``bos_id``, ``eos_id`` and ``pad_id``)."""
+
+  def encode(self, text, **_):
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **_):
+    return " ".join(str(int(i)) for i in ids)
+
+  def bos_id(self):
+    return 1
+
+  def eos_id(self):
+    return V  # never sampled: every sequence runs to max_tokens_to_generate
+
+  def pad_id(self):
+    return 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # tunix 0.1.7 on JAX 0.10's deprecations
+@pytest.mark.parametrize("output_dtype", [None, jnp.float32], ids=["model-dtype", "float32"])
+def test_tunix_vanilla_rollout_built_before_the_link(output_dtype):
+  """tunix's own ``VanillaRollout`` (its ``Sampler``), built from the bare model as
+  ``RLCluster`` builds it, before the trainer and the link: it samples, takes the trained
+  ``nnx.Param`` state through ``update_params`` (tunix's weight sync), and samples again."""
+  pytest.importorskip("tunix", reason="google-tunix is not installed")
+  from tunix.rl.rollout import base_rollout
+  from tunix.rl.rollout import vanilla_rollout
+
+  model = TinyLM(nnx.Rngs(0))
+  c = model.config
+  cache = base_rollout.CacheConfig(
+    cache_size=T, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim
+  )
+  with standard_promotion():  # tunix's sampler is not strict-clean
+    # On its own mesh, as RLCluster places the rollout model (tunix's reshard needs one).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    copy = nnx.clone(model)
+    nnx.update(copy, jax.device_put(nnx.state(copy), NamedSharding(mesh, P())))
+    rollout = vanilla_rollout.VanillaRollout(copy, _DigitTokenizer(), cache)
+    trainer = StandInTrainer(model, jls.dynamic_loss_scale(optax.sgd(0.5), init_scale=2.0**10))
+    link_loss_scale(trainer.model, trainer.optimizer, output_dtype=output_dtype)
+    config = base_rollout.RolloutConfig(
+      max_tokens_to_generate=6, max_prompt_length=8, temperature=1e-6, top_p=None, seed=None
+    )
+    prompts = ["2 5 8 11 14 17", "3 4 5 6 7 8"]
+    before = rollout.generate(prompts, config)
+    for b in batches(3):
+      trainer.train_step(b)
+    rollout.update_params(nnx.state(trainer.model, nnx.Param), (nnx.Param,))
+    after = rollout.generate(prompts, config)
+  assert _bytes(nnx.state(rollout.model(), nnx.Param)) == _bytes(_params(trainer.model))
+  assert [len(t) for t in before.tokens] == [len(t) for t in after.tokens] == [6, 6]
+  assert not all(np.array_equal(a, b) for a, b in zip(before.tokens, after.tokens))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # tunix 0.1.7 on JAX 0.10's deprecations
+@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "rollout-mesh"])
+def test_tunix_grpo_learner_with_the_link(colocated, num_iterations):
+  """tunix's ``RLCluster`` and ``GRPOLearner`` on tunix's toy transformer, linked after the
+  learner is built: the sampler (on the actor's mesh or its own, synced at every global
+  step), the reference model, the old log-probs of ``num_iterations=2`` and the actor's
+  train step all run, and every step is applied through the shared scale."""
+  pytest.importorskip("tunix", reason="google-tunix is not installed")
+  grain = pytest.importorskip("grain.python")
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+  from tunix.tests import test_common
+
+  class Prompts(grain.RandomAccessDataSource):
+    data = ["input string", "hello world", "My name", "hello there"] * 4
+
+    def __getitem__(self, i):
+      return self.data[i]
+
+    def __len__(self):
+      return len(self.data)
+
+  vocab = test_common.MockVocab()
+  config = test_common.ModelConfig(vocab_size=vocab.GetPieceSize())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  other = jax.sharding.Mesh(np.array(jax.devices()[1:2]).reshape(1, 1), ("fsdp", "tp"))
+  Role = rl_cluster_lib.Role
+  # tunix's code is not strict-clean, and runs in its own threads: the global setting.
+  promotion = jax.config.jax_numpy_dtype_promotion
+  jax.config.update("jax_numpy_dtype_promotion", "standard")
+  try:
+    cluster = rl_cluster_lib.RLCluster(
+      actor=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
+      reference=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
+      tokenizer=vocab,
+      cluster_config=rl_cluster_lib.ClusterConfig(
+        role_to_mesh={
+          Role.ACTOR: mesh,
+          Role.REFERENCE: mesh,
+          Role.ROLLOUT: mesh if colocated else other,
+        },
+        rollout_engine="vanilla",
+        training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=jls.dynamic_loss_scale(optax.sgd(1e-2), init_scale=2.0**10),
+          eval_every_n_steps=100,
+          max_steps=4,
+        ),
+        rollout_config=base_rollout.RolloutConfig(
+          max_tokens_to_generate=6, max_prompt_length=32, kv_cache_size=64
+        ),
+      ),
+    )
+    learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster,
+      reward_fns=[lambda prompts, completions, **_: [float(len(c)) for c in completions]],
+      algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=num_iterations),
+    )
+    trainer = cluster.actor_trainer
+    before = _bytes(_params(trainer.model))
+    link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
+    assert learner.should_sync_weights is not colocated
+    data = grain.MapDataset.source(Prompts()).batch(2).map(lambda x: {"prompts": x, "answer": x})
+    learner.train(data)
+  finally:
+    jax.config.update("jax_numpy_dtype_promotion", promotion)
+  state = _scale_state(trainer.optimizer)
+  assert int(trainer.optimizer.step[...]) == 4 and int(state.skipped_steps) == 0
+  assert float(state.scale) == 2.0**10 and int(state.growth_tracker) == 4
+  assert trainer.model.loss_scale is jls.get_scale_state(trainer.optimizer.opt_state).scale
+  assert all(a != b for a, b in zip(_bytes(_params(trainer.model)), before))

@@ -41,7 +41,7 @@ def retry_value_and_grad(
   """``nnx.value_and_grad(loss_fn)`` for a linked model, retried at a lower scale on overflow.
 
   The returned function takes ``(model, optimizer, *args, **kwargs)``, where ``model`` holds
-  a :class:`LossScaledModel` linked to ``optimizer`` by :func:`link_loss_scale`, and calls
+  a model linked to ``optimizer`` by :func:`link_loss_scale` (a :class:`LossScaledModel`), and calls
   ``loss_fn(model, *args, **kwargs)`` under ``nnx.value_and_grad``. If any gradient is
   inf/NaN it backs the scale off by the torch rule and computes the same batch's
   gradients again, up to ``max_retries`` times, inside the same jitted step. The
@@ -75,7 +75,7 @@ def retry_value_and_grad(
     wrappers = _wrappers(model)
     if not wrappers or any(w.loss_scale is not found.scale for w in wrappers):
       raise ValueError(
-        "model must hold a LossScaledModel linked to optimizer: call "
+        "model must be (or hold) a LossScaledModel linked to optimizer: call "
         "jax_lossscale.flax.link_loss_scale(model, optimizer) first."
       )
     is_acc = lambda x: isinstance(x, optax.MultiStepsState)
