@@ -85,11 +85,12 @@ def to_torch_state_dict(state: ScaleSource, *, strict: bool = True) -> dict[str,
         "torch.amp.GradScaler cannot represent " + ", ".join(lost) + "; pass "
         "strict=False to drop these settings."
       )
-  # Torch's scale is the current one; each other key holds its config field as torch types it.
+  # Torch's scale is the current one; each other key holds its config field (a Python
+  # float or int, as the config stores it).
   sd: dict[str, Any] = {"scale": float(_host_scalar("scale", s.scale))}
   for key, name in _IN_TORCH.items():
     if key != "scale":
-      sd[key] = type(getattr(DEFAULT_CONFIG, name))(getattr(c, name))
+      sd[key] = getattr(c, name)
   sd["_growth_tracker"] = int(_host_scalar("growth_tracker", s.growth_tracker))
   return sd
 
