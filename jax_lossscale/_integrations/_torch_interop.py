@@ -10,18 +10,18 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from jax_lossscale._scaler._state import CONFIG_FIELDS
 from jax_lossscale._scaler._state import DEFAULT_CONFIG
-from jax_lossscale._scaler._state import DynamicScaleConfig
 from jax_lossscale._scaler._state import DynamicScaleState
-from jax_lossscale._scaler._state import check_backoff_factor
-from jax_lossscale._scaler._state import check_growth_factor
-from jax_lossscale._scaler._state import check_growth_interval
-from jax_lossscale._scaler._state import check_init_scale
+from jax_lossscale._scaler._state import config_from
 from jax_lossscale._scaler._state import get_scale_state
 from jax_lossscale._typing import ScaleSource
 
+#: The config fields torch keeps, by their key in its state dict; the others, which torch
+#: keeps none of, are the keywords of ``from_torch_state_dict``.
+_IN_TORCH = {f.torch_key: name for name, f in CONFIG_FIELDS.items() if f.torch_key is not None}
 #: The keys of an enabled ``GradScaler``'s state dict, in torch's order.
-TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+TORCH_KEYS = (*_IN_TORCH, "_growth_tracker")
 
 
 def _host_scalar(name: str, x: Any) -> np.ndarray:
@@ -75,27 +75,24 @@ def to_torch_state_dict(state: ScaleSource, *, strict: bool = True) -> dict[str,
   s = get_scale_state(state)
   c = s.config
   if strict:
-    lost = []
-    if c.min_scale != DEFAULT_CONFIG.min_scale:
-      lost.append(f"min_scale={c.min_scale!r}")
-    if c.max_scale != DEFAULT_CONFIG.max_scale:
-      lost.append(f"max_scale={c.max_scale!r}")
-    if c.hysteresis != DEFAULT_CONFIG.hysteresis:
-      lost.append(f"hysteresis={c.hysteresis!r}")
-    if not c.dynamic:
-      lost.append("dynamic=False (a static scale)")
+    lost = [
+      f"{name}={getattr(c, name)!r}" + (" (a static scale)" if name == "dynamic" else "")
+      for name, field in CONFIG_FIELDS.items()
+      if field.torch_key is None and getattr(c, name) != getattr(DEFAULT_CONFIG, name)
+    ]
     if lost:
       raise ValueError(
         "torch.amp.GradScaler cannot represent " + ", ".join(lost) + "; pass "
         "strict=False to drop these settings."
       )
-  return {
-    "scale": float(_host_scalar("scale", s.scale)),
-    "growth_factor": float(c.growth_factor),
-    "backoff_factor": float(c.backoff_factor),
-    "growth_interval": int(c.growth_interval),
-    "_growth_tracker": int(_host_scalar("growth_tracker", s.growth_tracker)),
-  }
+  # Torch's scale is the current one; each other key holds its config field (a Python
+  # float or int, as the config stores it).
+  sd: dict[str, Any] = {"scale": float(_host_scalar("scale", s.scale))}
+  for key, name in _IN_TORCH.items():
+    if key != "scale":
+      sd[key] = getattr(c, name)
+  sd["_growth_tracker"] = int(_host_scalar("growth_tracker", s.growth_tracker))
+  return sd
 
 
 def _is_scalar_number(x: Any) -> bool:
@@ -122,6 +119,12 @@ def _integer(sd: Mapping, key: str) -> int:
     if isinstance(value, numbers.Integral):
       return int(value)
   raise TypeError(f"state_dict[{key!r}] must be an integer, got {x!r}.")
+
+
+def _field(sd: Mapping, key: str) -> float | int:
+  """The value of a config field's key, an integer where its field is one, else a real."""
+  integral = type(getattr(DEFAULT_CONFIG, _IN_TORCH[key])) is int
+  return _integer(sd, key) if integral else _real(sd, key)
 
 
 def from_torch_state_dict(
@@ -186,14 +189,10 @@ def from_torch_state_dict(
   tracker = _integer(sd, "_growth_tracker")
   if not 0 <= tracker <= np.iinfo(np.int32).max:
     raise ValueError(f"{key('_growth_tracker')} must be in [0, 2**31 - 1], got {tracker}.")
-  config = DynamicScaleConfig(
-    init_scale=check_init_scale(_real(sd, "scale"), key("scale")),
-    growth_factor=check_growth_factor(_real(sd, "growth_factor"), key("growth_factor")),
-    backoff_factor=check_backoff_factor(_real(sd, "backoff_factor"), key("backoff_factor")),
-    growth_interval=check_growth_interval(_integer(sd, "growth_interval"), key("growth_interval")),
-    min_scale=min_scale,
-    max_scale=max_scale,
-    hysteresis=hysteresis,
-  )
+  # Each torch key is checked under its own name, then passed as its field.
+  from_sd = {
+    name: CONFIG_FIELDS[name].check(_field(sd, k), key(k)) for k, name in _IN_TORCH.items()
+  }
+  config = config_from(locals(), dynamic=True, **from_sd)
   state = DynamicScaleState.from_config(config)
   return state.replace(growth_tracker=jnp.asarray(tracker, jnp.int32))

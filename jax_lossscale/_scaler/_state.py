@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+from typing import Callable
+from typing import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +75,70 @@ def check_growth_interval(value: Any, name: str = "growth_interval") -> int:
   return check_int(name, value, 1)
 
 
+def check_min_scale(value: Any, name: str = "min_scale") -> float:
+  """A valid floor of the scale: a normal float32 (so the scale never becomes subnormal or 0),
+  stored as the float32 value the scale is compared against."""
+  value = check_positive_finite(name, value)
+  if value < MIN_NORMAL_F32:
+    raise ValueError(
+      f"{name} must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
+      f"so that the scale never becomes subnormal, got {value!r}."
+    )
+  return float(np.float32(value))
+
+
+def check_max_scale(value: Any, name: str = "max_scale") -> float:
+  """A valid ceiling of the scale: a positive finite float32, stored as its float32 value."""
+  value = check_positive_finite(name, value)
+  if value > MAX_F32:
+    raise ValueError(f"{name} must be <= the largest float32, got {value!r}.")
+  return float(np.float32(value))
+
+
+def check_hysteresis(value: Any, name: str = "hysteresis") -> int:
+  """A valid hysteresis: an integer in [1, 2**31 - 1]."""
+  return check_int(name, value, 1)
+
+
+def check_dynamic(value: Any, name: str = "dynamic") -> bool:
+  """``value`` as a bool: ``TypeError`` naming ``name`` unless a Python or NumPy bool."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+  return bool(value)
+
+
+class ConfigField(NamedTuple):
+  """How one setting of the scaler is checked and carried to and from torch.
+
+  Attributes:
+    check: ``check(value, name)`` is the value as stored, or raises ``TypeError`` /
+      ``ValueError`` naming ``name`` (the argument, or the state-dict key it came from).
+    torch_key: its key in ``torch.amp.GradScaler.state_dict()``; ``None`` where torch keeps
+      none (``to_torch_state_dict(strict=True)`` then refuses a value other than the
+      default, and ``from_torch_state_dict`` takes it as a keyword).
+  """
+
+  check: Callable[[Any, str], Any]
+  torch_key: str | None
+
+
+#: The scaler's settings, written once: every field of :class:`DynamicScaleConfig`, in its
+#: order, with its check and its torch key. Torch's ``scale`` is the current scale: exported
+#: from the state, imported as the ``init_scale`` of a state that continues mid-run. The
+#: entry points forward their keywords with :func:`config_from`; ``tests/test_config_fields.py``
+#: holds every signature, docstring and the torch conversions to this list.
+CONFIG_FIELDS: dict[str, ConfigField] = {
+  "init_scale": ConfigField(check_init_scale, "scale"),
+  "growth_factor": ConfigField(check_growth_factor, "growth_factor"),
+  "backoff_factor": ConfigField(check_backoff_factor, "backoff_factor"),
+  "growth_interval": ConfigField(check_growth_interval, "growth_interval"),
+  "min_scale": ConfigField(check_min_scale, None),
+  "max_scale": ConfigField(check_max_scale, None),
+  "hysteresis": ConfigField(check_hysteresis, None),
+  "dynamic": ConfigField(check_dynamic, None),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicScaleConfig:
   """Static, validated configuration of a loss scaler (hashable, never traced).
@@ -105,41 +172,35 @@ class DynamicScaleConfig:
   dynamic: bool = True
 
   def __post_init__(self):
-    set_ = lambda k, v: object.__setattr__(self, k, v)  # frozen dataclass
-    init_scale = check_init_scale(self.init_scale)
-    set_("init_scale", init_scale)
-    set_("growth_factor", check_growth_factor(self.growth_factor))
-    set_("backoff_factor", check_backoff_factor(self.backoff_factor))
-    set_("growth_interval", check_growth_interval(self.growth_interval))
-    set_("hysteresis", check_int("hysteresis", self.hysteresis, 1))
-    min_scale = check_positive_finite("min_scale", self.min_scale)
-    if min_scale < MIN_NORMAL_F32:
+    for name, field in CONFIG_FIELDS.items():
+      object.__setattr__(self, name, field.check(getattr(self, name), name))  # frozen
+    if self.min_scale > self.max_scale:
+      raise ValueError(f"min_scale ({self.min_scale!r}) must be <= max_scale ({self.max_scale!r}).")
+    # init_scale is kept as given (the first scale is its float32 rounding); the bounds are
+    # float32 already.
+    if not self.min_scale <= float(np.float32(self.init_scale)) <= self.max_scale:
       raise ValueError(
-        "min_scale must be >= the smallest normal float32 (2**-126 ~ 1.18e-38) "
-        f"so that the scale never becomes subnormal, got {min_scale!r}."
+        f"init_scale ({self.init_scale!r}) must lie in [min_scale, max_scale] = "
+        f"[{self.min_scale!r}, {self.max_scale!r}]."
       )
-    max_scale = check_positive_finite("max_scale", self.max_scale)
-    if max_scale > MAX_F32:
-      raise ValueError(f"max_scale must be <= the largest float32, got {max_scale!r}.")
-    # Bounds are stored as the float32 values they compare against.
-    min_scale, max_scale = float(np.float32(min_scale)), float(np.float32(max_scale))
-    if min_scale > max_scale:
-      raise ValueError(f"min_scale ({min_scale!r}) must be <= max_scale ({max_scale!r}).")
-    if not min_scale <= float(np.float32(init_scale)) <= max_scale:
-      raise ValueError(
-        f"init_scale ({init_scale!r}) must lie in [min_scale, max_scale] = "
-        f"[{min_scale!r}, {max_scale!r}]."
-      )
-    set_("min_scale", min_scale)
-    set_("max_scale", max_scale)
-    if not isinstance(self.dynamic, (bool, np.bool_)):
-      raise TypeError(f"dynamic must be a bool, got {self.dynamic!r}.")
-    set_("dynamic", bool(self.dynamic))
 
 
 #: The defaults (``torch.amp.GradScaler``'s): every public signature takes its
 #: default values from here (checked by ``tests/test_api.py``).
 DEFAULT_CONFIG = DynamicScaleConfig()
+
+
+def config_from(arguments: Mapping[str, Any], **fixed: Any) -> DynamicScaleConfig:
+  """The config an entry point's arguments describe: the one forwarding of the settings.
+
+  Every field of :data:`CONFIG_FIELDS` is read by name from ``arguments`` (the entry point's
+  ``locals()``), except those given in ``fixed`` (the settings the entry point does not take
+  as keywords). An entry point whose signature lacks a field it does not fix fails with a
+  ``KeyError`` on every call, rather than leaving that setting at its default.
+  """
+  taken = {name: arguments[name] for name in CONFIG_FIELDS if name not in fixed}
+  return DynamicScaleConfig(**taken, **fixed)
+
 
 DATA_FIELDS = (
   "scale",
@@ -206,17 +267,7 @@ class DynamicScaleState:
       TypeError: naming the argument, for an argument of the wrong type.
       ValueError: naming the argument, for any invalid value.
     """
-    config = DynamicScaleConfig(
-      init_scale=init_scale,
-      growth_factor=growth_factor,
-      backoff_factor=backoff_factor,
-      growth_interval=growth_interval,
-      min_scale=min_scale,
-      max_scale=max_scale,
-      hysteresis=hysteresis,
-      dynamic=dynamic,
-    )
-    return cls.from_config(config)
+    return cls.from_config(config_from(locals()))
 
   @classmethod
   def from_config(cls, config: DynamicScaleConfig) -> DynamicScaleState:

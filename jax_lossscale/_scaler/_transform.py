@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -22,10 +21,12 @@ from jax_lossscale._scaler._sharding import place_like_params
 from jax_lossscale._scaler._signals import check_gradient_dtypes
 from jax_lossscale._scaler._skip import skip_step
 from jax_lossscale._scaler._skip import skipped_updates
+from jax_lossscale._scaler._state import CONFIG_FIELDS
 from jax_lossscale._scaler._state import DEFAULT_CONFIG
 from jax_lossscale._scaler._state import DynamicScaleConfig
 from jax_lossscale._scaler._state import DynamicScaleState
 from jax_lossscale._scaler._state import check_init_scale
+from jax_lossscale._scaler._state import config_from
 from jax_lossscale._typing import AxisName
 
 
@@ -76,9 +77,9 @@ def _check_state(state: Any, config: DynamicScaleConfig) -> None:
   # config mismatch, not a bad init_scale).
   held = state.loss_scale.config
   if any(
-    getattr(held, f.name) != getattr(config, f.name)
-    for f in dataclasses.fields(DynamicScaleConfig)
-    if f.name != "init_scale" or not config.dynamic
+    getattr(held, name) != getattr(config, name)
+    for name in CONFIG_FIELDS
+    if name != "init_scale" or not config.dynamic
   ):
     raise ValueError(
       "state was made by a loss scaler with another configuration: the state "
@@ -201,15 +202,7 @@ def dynamic_loss_scale(
     >>> optax.apply_updates(params, updates)["w"]    # 1 - 0.1 * 2
     Array([0.8, 0.8, 0.8], dtype=float32)
   """
-  config = DynamicScaleConfig(
-    init_scale=init_scale,
-    growth_factor=growth_factor,
-    backoff_factor=backoff_factor,
-    growth_interval=growth_interval,
-    min_scale=min_scale,
-    max_scale=max_scale,
-    hysteresis=hysteresis,
-  )
+  config = config_from(locals(), dynamic=True)
   return _loss_scale_transform(inner, config, axis_name)
 
 
