@@ -125,17 +125,19 @@ def _cpu_panel(ax, payload: dict[str, Any], title: str) -> None:
   ax.axvline(1.0, color="black", linewidth=1)
   ax.set_yticks(range(len(models)), [CPU_MODELS.get(m, m) for m in models])
   ax.invert_yaxis()
-  ax.set_xlabel("median step time / plain Adam's (1.0: no overhead)")
   ax.set_title(title, fontsize=10)
   ax.grid(axis="x", alpha=0.3)
 
 
 def plot_cpu(out: pathlib.Path) -> pathlib.Path:
-  fig, axes = plt.subplots(2, 1, figsize=(9, 9.5), height_ratios=[6, 4], layout="constrained")
+  fig, axes = plt.subplots(
+    2, 1, figsize=(9, 9.5), height_ratios=[6, 4], sharex=True, layout="constrained"
+  )
   for ax, name in zip(axes, ["bench.json", "bench-quick.json"]):
     payload = load(name)
     info = payload["machine"]
     _cpu_panel(ax, payload, f"{name}: XLA:CPU, {info['affinity']} cores, {info['date']}")
+  axes[-1].set_xlabel("median step time / plain Adam's (1.0: no overhead)")
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="outside lower center", ncol=3, fontsize=8)
   fig.suptitle("Loss scalers' step time on XLA:CPU (measured)", fontsize=11)
