@@ -2,8 +2,8 @@
 
 * ``<!-- benchmark-tables -->`` on a page is replaced by the tables of every
   ``benchmarks/results/*.json``, rendered by ``benchmarks/bench_report.py`` (the renderer
-  that writes the committed ``.md`` next to each JSON file): a new results file shows up on
-  the next build, with no edit here.
+  that writes the committed ``.md`` next to each JSON file), newest first
+  (:func:`results_files`): a new results file shows up on the next build, with no edit here.
 * ``<!-- policy-table -->``, ``<!-- kinds-table -->`` and ``<!-- registrations-table -->``
   (``docs/guides/autocast.md``) are replaced by the autocast tables rendered from the code
   by ``docs/autocast_tables.py`` (:func:`autocast_tables`).
@@ -59,16 +59,33 @@ def missing_api_entries(root: pathlib.Path) -> list[str]:
   return [n for n in public_names(root) if n not in entries]
 
 
+def results_files(root: pathlib.Path) -> list[tuple[pathlib.Path, dict]]:
+  """Each ``benchmarks/results/*.json`` and its contents, newest first.
+
+  Ordered by the date of the machine that measured it (``machine.date``, ``YYYY-MM-DD HH:MM
+  UTC``), then by name; files without a date (the GPU plans, compiled and not run) come last.
+  """
+  loaded = [
+    (p, json.loads(p.read_text())) for p in (root / "benchmarks" / "results").glob("*.json")
+  ]
+  undated = sorted((p, d) for p, d in loaded if not d.get("machine", {}).get("date"))
+  dated = sorted(
+    ((p, d) for p, d in loaded if d.get("machine", {}).get("date")),
+    key=lambda item: (item[1]["machine"]["date"], item[0].name),
+    reverse=True,
+  )
+  return dated + undated
+
+
 def benchmark_tables(root: pathlib.Path) -> str:
-  """Markdown: one section per ``benchmarks/results/*.json``, rendered by ``bench_report``."""
+  """Markdown: one section per ``benchmarks/results/*.json``, newest first, by ``bench_report``."""
   bench_dir = str(root / "benchmarks")
   if bench_dir not in sys.path:
     sys.path.insert(0, bench_dir)
   import bench_report
 
   sections = []
-  for path in sorted((root / "benchmarks" / "results").glob("*.json")):
-    payload = json.loads(path.read_text())
+  for path, payload in results_files(root):
     body = bench_report.markdown(payload).splitlines()
     if body and body[0].startswith("# "):  # the report's own title; the section names the file
       body = body[1:]

@@ -10,6 +10,7 @@
 """
 
 import importlib.util
+import json
 import pathlib
 import re
 import sys
@@ -111,3 +112,24 @@ def test_the_benchmarks_page_renders_every_results_file():
   for path in results:
     assert f"`benchmarks/results/{path.name}`" in text
   assert text.count("| model |") >= len(results)
+
+
+def test_the_benchmarks_page_shows_the_newest_results_first(tmp_path):
+  hooks = _load_hooks()
+  results = tmp_path / "benchmarks" / "results"
+  results.mkdir(parents=True)
+  dates = {"a.json": "2026-11-30 00:54 UTC", "b.json": "2026-12-04 16:42 UTC", "c.json": None}
+  dates["d.json"] = "2026-12-04 16:42 UTC"  # the same date: by name
+  for name, date in dates.items():
+    payload = {"machine": {"date": date}} if date else {"kind": "gpu-plan"}
+    (results / name).write_text(json.dumps(payload))
+  assert [p.name for p, _ in hooks.results_files(tmp_path)] == [
+    "d.json",
+    "b.json",
+    "a.json",
+    "c.json",
+  ]
+  text = hooks.benchmark_tables(ROOT)
+  order = [text.index(f"`benchmarks/results/{p.name}`") for p, _ in hooks.results_files(ROOT)]
+  assert order == sorted(order)
+  assert order[0] == text.index("`benchmarks/results/bench-gpu-large-static.json`")
