@@ -917,8 +917,9 @@ def plot(curves: list[dict[str, dict[str, Any]]], report: dict[str, Any], path: 
   ax_scale.set_ylabel(f"loss scale, seed {report['seeds'][0]}")
   ax_scale.set_xlabel("step")
   ax_scale.set_title(
-    f"The scale doubles after every {cfg['growth_interval']} clean steps (--growth-interval; "
-    f"PyTorch's default 2000), halves and skips the step on overflow: {skipped.size} skipped",
+    f"The scale starts at {_pow2(cfg['init_loss_scale'])}, doubles after every "
+    f"{cfg['growth_interval']} clean steps (--growth-interval; PyTorch's default is 2000)\n"
+    f"and halves on overflow, skipping that step: {skipped.size} of {steps} steps skipped",
     fontsize=9,
   )
   ax_scale.legend(fontsize=8)
