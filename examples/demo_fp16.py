@@ -651,7 +651,8 @@ def headline(summary: list[dict[str, Any]]) -> str:
   act = lambda r: f"{100 * r['underflow_activations_last_half']['mean']:.0f}%"
   lines = [
     f"Gradients: without scaling float16 flushes {act(half)} of the activation gradients to 0 "
-    f"(second half of training, mean of {n} seeds); with dynamic_loss_scale {act(scaled)}."
+    f"(second half of training, mean of {n} seed{'s' * (n > 1)}); "
+    f"with dynamic_loss_scale {act(scaled)}."
   ]
   phrase = {
     "worse": "worse beyond the seed-to-seed spread",
@@ -821,8 +822,8 @@ def format_table(report: dict[str, Any]) -> str:
     "",
     f"{report['date']}, {m['cpu_count']} CPU cores ({m['cpu']}), JAX {m['jax_version']} "
     f"on {m['jax_backend']}, {report['wall_seconds']:.0f} s in all. Each cell: mean over the "
-    f"{len(seeds)} seeds (min..max). Flushed to 0: share of the float32-non-zero gradient "
-    f"elements that are exactly 0 in the run, mean over the second half of {probes} sampled "
+    f"{len(seeds)} seed{'s' * (len(seeds) > 1)} (min..max). Flushed to 0: share of the "
+    f"float32-non-zero gradient elements that are exactly 0 in the run, mean over the second half of {probes} sampled "
     "steps. Test: 360 digits (one digit is 0.0028 of accuracy).",
   ]
   return "\n".join(lines)
