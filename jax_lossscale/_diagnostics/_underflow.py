@@ -23,6 +23,7 @@ from jax_lossscale._autocast import interpret
 from jax_lossscale._autocast import is_array
 from jax_lossscale._diagnostics._stats import named_float_leaves
 from jax_lossscale._diagnostics._taps import Taps
+from jax_lossscale._diagnostics._taps import per_iteration
 from jax_lossscale._scaler._numerics import is_float
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._state import scale_of
@@ -159,11 +160,14 @@ class UnderflowReport(NamedTuple):
     return "\n".join(lines)
 
 
-def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
+def _autocast_call(
+  spec: Any, batch: Any, tapped: bool, loops: Mapping[str, Any]
+) -> Callable[..., Any]:
   """``call(variables, dtype)`` of an autocast ``loss_fn``: its policy, its taps honoured.
 
   Every output of a lower-precision primitive (outside loops and custom rules) gets a
-  zero tap, under ``variables["lowp"]``; the user's taps (``variables["activations"]``)
+  zero tap, under ``variables["lowp"]`` (one row per iteration inside a ``scan``, the
+  scans of each in ``loops``); the user's taps (``variables["activations"]``)
   and Flax ``"perturbations"`` in the params take the dtype of the activation they are
   added to, as constants do, so their gradients are the activations' own.
   """
@@ -175,7 +179,7 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
     return keys[:3] == [0, 0, "perturbations"]
 
   def call(v: Any, dtype: Any) -> Any:
-    taps = Taps(v["lowp"])
+    taps = Taps(v["lowp"], loops)
     args = (v["params"], batch, v["activations"]) if tapped else (v["params"], batch)
     reference = np.dtype(dtype) == np.float32  # the function as written
     return interpret(spec, dtype, args, taps=taps, follows=follows, as_written=reference)
@@ -185,10 +189,11 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
 
 def _lowp_taps(
   spec: Any, params: Any, batch: Any, taps: Any, dtype: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
   """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``
-  (those a user's tap is added to left out: they are tapped once), and what was not
-  tapped: ``"<n> <primitive>[ (<k> iterations)]" -> [regions, outputs]`` as int32."""
+  (those a user's tap is added to left out: they are tapped once; those inside scans
+  stacked, one row per iteration), what was not tapped: ``primitive -> [regions,
+  outputs]`` as int32, and the scans each stacked tap is in (:attr:`Taps.loops`)."""
   counted = Taps()
 
   def follows(path: tuple[Any, ...]) -> bool:
@@ -202,12 +207,9 @@ def _lowp_taps(
     for name, s in zip(counted.names, counted.shapes, strict=True)
     if name not in counted.duplicates
   }
-  untapped = {
-    prim if length is None else f"{prim} ({length} iterations)": jnp.asarray(n, jnp.int32)
-    for (prim, length), n in counted.untapped.items()
-    if n[1]
-  }
-  return zeros, untapped
+  untapped = {prim: jnp.asarray(n, jnp.int32) for prim, n in counted.untapped.items() if n[1]}
+  loops = {name: counted.loops[name] for name in zeros if name in counted.loops}
+  return zeros, untapped, loops
 
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -422,13 +424,13 @@ def check_underflow(
   if spec is not None:
     if half_dtype is None:
       half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
-    call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped)
-    lowp, not_checked = _lowp_taps(spec, params, batch, taps, half_dtype)
+    lowp, not_checked, loops = _lowp_taps(spec, params, batch, taps, half_dtype)
+    call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped, loops)
     variables: Any = {"params": params, "activations": taps, "lowp": lowp}
   else:
     half_dtype = jnp.float16 if half_dtype is None else half_dtype
     variables = {"params": params, "activations": taps} if tapped else params
-    not_checked = {}
+    not_checked, loops = {}, {}
 
     def call(v: Any, dtype: Any) -> Any:
       if tapped:
@@ -473,7 +475,11 @@ def check_underflow(
   nonzero, lost1, losts = {}, {}, {}
   for name, r in ref_leaves:
     nz = r != 0
-    nonzero[name] = jnp.sum(nz, dtype=jnp.int32)
-    lost1[name] = jnp.sum(nz & (flat1[name] == 0), dtype=jnp.int32)
-    losts[name] = jnp.sum(nz & (flats[name] == 0), dtype=jnp.int32)
+    tap = name[len("activations/") :]
+    # a tap inside a scan: one leaf per iteration, its row of the stacked tap
+    rows = per_iteration(name, loops[tap]) if tap in loops else [(name, ())]
+    for row_name, i in rows:
+      nonzero[row_name] = jnp.sum(nz[i], dtype=jnp.int32)
+      lost1[row_name] = jnp.sum(nz[i] & (flat1[name][i] == 0), dtype=jnp.int32)
+      losts[row_name] = jnp.sum(nz[i] & (flats[name][i] == 0), dtype=jnp.int32)
   return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale, not_checked)
