@@ -143,15 +143,20 @@ def test_a_float32_tap_inside_an_autocast_function_of_a_dtype_parameterised_loss
 
     return jls.autocast(f, dtype)(p, batch, taps)
 
-  with pytest.raises(ValueError, match="activations: the tap 'logits' is added in float32"):
+  with pytest.raises(ValueError, match="activations: the tap 'logits' is added in float32") as e:
     check_underflow(loss, w, x, activations={"logits": jnp.zeros((8, 2))})
+  # the one fix that works inside autocast comes first; no cast to h.dtype (float32 there)
+  assert "is added in float32 to a float16 activation made float32 for it" in str(e.value)
+  assert "Pass the autocast function itself as loss_fn" in str(e.value)
+  assert ".astype(" not in str(e.value)
 
   def by_hand(p, batch, dtype, taps):  # the same mistake written by hand
     h = (batch.astype(dtype) @ p["w"].astype(dtype)).astype(jnp.float32)
     return jnp.sum((h + taps["logits"]) * c)
 
-  with pytest.raises(ValueError, match="the tap 'logits'"):
+  with pytest.raises(ValueError, match="the tap 'logits'") as e:
     check_underflow(by_hand, w, x, activations={"logits": jnp.zeros((8, 2))})
+  assert "(h + taps[...].astype(dtype), dtype the loss_fn's argument, here float16)" in str(e.value)
 
   def right(p, batch, dtype, taps):  # the tap cast to the activation's dtype
     h = batch.astype(dtype) @ p["w"].astype(dtype) + taps["logits"].astype(dtype)

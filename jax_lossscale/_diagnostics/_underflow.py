@@ -21,6 +21,7 @@ import optax
 from jax_lossscale._autocast import autocast_spec
 from jax_lossscale._autocast import interpret
 from jax_lossscale._autocast import is_array
+from jax_lossscale._autocast._api import AUTOCAST_MARK
 from jax_lossscale._diagnostics._stats import named_float_leaves
 from jax_lossscale._diagnostics._taps import Taps
 from jax_lossscale._diagnostics._taps import per_iteration
@@ -229,7 +230,7 @@ def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> 
     keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     if keys[:1] == ["activations"]:
       names[var] = "/".join(keys[1:])
-  _walk_taps(closed.jaxpr, names, {})
+  _walk_taps(closed.jaxpr, names, {}, False)
 
 
 #: The primitives a function is staged into whole (jit, remat, the call primitives of jax
@@ -237,7 +238,7 @@ def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> 
 _STAGED = ("jit", "remat2", "closed_call", "eval_jaxpr")
 
 
-def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None:
+def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any], in_autocast: bool) -> None:
   from jax.extend.core import Var
 
   for eqn in jaxpr.eqns:
@@ -252,12 +253,21 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
     elif name in ("add", "sub"):
       for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
         if a in taps and b in upcast and np.dtype(eqn.invars[0].aval.dtype) == np.float32:
+          half = np.dtype(upcast[b]).name
+          fix = (
+            # inside autocast the activation reads float32 (h.dtype is float32 there):
+            # no cast written in the function reaches the half activation
+            "Pass the autocast function itself as loss_fn, check_underflow(jls.autocast(f), "
+            "params, batch, activations=...) with f(params, batch, taps): its taps take "
+            "the dtype of the activation they meet (inside autocast, h.dtype reads float32, "
+            "so a cast to it changes nothing)."
+            if in_autocast
+            else f"Add the tap in the activation's dtype, before it is made float32 "
+            f"(h + taps[...].astype(dtype), dtype the loss_fn's argument, here {half})."
+          )
           raise ValueError(
-            f"activations: the tap {taps[a]!r} is added in float32 to a "
-            f"{np.dtype(upcast[b]).name} activation made float32 for it, so it measures the "
-            "float32 gradient. Cast the tap to the activation's dtype "
-            "(h + taps[...].astype(h.dtype)), or pass the autocast function itself as "
-            "loss_fn (its taps take the dtype of the activation they meet)."
+            f"activations: the tap {taps[a]!r} is added in float32 to a {half} activation "
+            f"made float32 for it, so it measures the float32 gradient. {fix}"
           )
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if name in _STAGED and sub is not None:
@@ -265,7 +275,8 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
       inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
       inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}
       if inner_taps:
-        _walk_taps(inner, inner_taps, inner_up)
+        inside = in_autocast or AUTOCAST_MARK in str(eqn.params.get("name", ""))
+        _walk_taps(inner, inner_taps, inner_up, inside)
 
 
 def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
