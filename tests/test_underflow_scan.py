@@ -174,3 +174,121 @@ def test_the_verdict_names_the_worst_layer_inside_the_scan():
   unrolled = _report("unrolled")
   assert max(unrolled.fractions().values()) == fractions[worst]
   print(f"\nscanned:  {verdict}\nunrolled: {unrolled.verdict()}")
+
+
+# -- loops of plain JAX: nested, reversed, checkpointed; users' taps ----------------------
+
+
+def _rand(key, shape, scale=1.0):
+  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def _step(h, w):
+  return jnp.tanh(h @ w) * 4.0
+
+
+def _nested(ws, h, loop):
+  """``ws[i, j]`` applied in order (i outer, j inner): nested scans, or unrolled."""
+  if loop == "unrolled":
+    for i in range(ws.shape[0]):
+      for j in range(ws.shape[1]):
+        h = _step(h, ws[i, j])
+    return h
+  inner = lambda h, wi: (lax.scan(lambda h, w: (_step(h, w), None), h, wi)[0], None)
+  if loop == "checkpointed":
+    inner = jax.checkpoint(inner)
+  return lax.scan(inner, h, ws)[0]
+
+
+@pytest.mark.parametrize("loop", ["scans", "checkpointed"])
+def test_nested_scans_give_one_leaf_per_iteration_pair(loop):
+  ws, h = _rand(0, (2, 3, 8, 8), 0.4), _rand(1, (4, 8))
+  check = lambda loop: check_underflow(
+    jls.autocast(lambda ws, h: 1e-7 * jnp.sum(_nested(ws, h, loop))), ws, h
+  )
+  report, unrolled = check(loop), check("unrolled")
+  acts = report.looked_at()["activations"]
+  # scan#0 is the outer scan, scan#1 the inner one; [i] its iteration
+  want = [f"activations/scan#0[{i}]/scan#1[{j}]/dot_general#0" for i in range(2) for j in range(3)]
+  assert sorted(acts) == sorted(want)
+  in_order = sorted(unrolled.looked_at()["activations"], key=_number)
+  for field in ("nonzero", "lost_unscaled", "lost_scaled"):
+    got, ref = getattr(report, field), getattr(unrolled, field)
+    assert [int(got[k]) for k in want] == [int(ref[k]) for k in in_order]
+  assert 0 < report.total() < 1  # a case that flushes some, not all
+  assert report.not_checked == {}
+
+
+def test_a_reversed_scan_names_its_iterations_by_their_rows():
+  ws, h = _rand(0, (3, 8, 8), 0.4), _rand(1, (4, 8))
+
+  def loss(ws, h, reverse):
+    if reverse:
+      h = lax.scan(lambda h, w: (_step(h, w), None), h, ws, reverse=True)[0]
+    else:
+      for i in (2, 1, 0):
+        h = _step(h, ws[i])
+    return 1e-7 * jnp.sum(h)
+
+  report = check_underflow(jls.autocast(lambda ws, h: loss(ws, h, True)), ws, h)
+  unrolled = check_underflow(jls.autocast(lambda ws, h: loss(ws, h, False)), ws, h)
+  # iteration i is row i of the scanned input: ws[2] runs first
+  rows = [f"activations/scan#0[{i}]/dot_general#0" for i in (2, 1, 0)]
+  in_order = sorted(unrolled.looked_at()["activations"], key=_number)
+  assert [int(report.lost_unscaled[k]) for k in rows] == [
+    int(unrolled.lost_unscaled[k]) for k in in_order
+  ]
+  assert len({int(report.lost_unscaled[k]) for k in rows}) > 1  # the rows tell apart
+
+
+def _scanned_with_user_taps(ws, h, taps):
+  """Two matmuls per iteration; the user's stacked tap threaded onto the first."""
+
+  def body(h, inp):
+    w, tap = inp
+    a = h @ w + tap
+    return _step(a, w), None
+
+  return 1e-7 * jnp.sum(lax.scan(body, h, (ws, taps["a"]))[0])
+
+
+def test_a_users_taps_threaded_through_a_scan_replace_the_automatic_ones():
+  ws, h = _rand(0, (3, 8, 8), 0.4), _rand(1, (4, 8))
+  taps = {"a": jnp.zeros((3, 4, 8))}
+  report = check_underflow(jls.autocast(_scanned_with_user_taps), ws, h, activations=taps)
+  acts = report.looked_at()["activations"]
+  # the user's leaf (all iterations), and the second matmul's automatic taps: the first
+  # matmul is tapped once, by the user
+  assert sorted(acts) == ["activations/a"] + [
+    f"activations/scan#0[{i}]/dot_general#1" for i in range(3)
+  ]
+  assert report.not_checked == {}
+  # the automatic taps without the user's: the first matmul's rows add up to the user's leaf
+  zeros = {"a": jnp.zeros((3, 4, 8))}
+  auto = check_underflow(jls.autocast(lambda ws, h: _scanned_with_user_taps(ws, h, zeros)), ws, h)
+  first = [f"activations/scan#0[{i}]/dot_general#0" for i in range(3)]
+  for field in ("nonzero", "lost_unscaled", "lost_scaled"):
+    got, ref = getattr(report, field), getattr(auto, field)
+    assert int(got["activations/a"]) == sum(int(ref[k]) for k in first)
+  assert 0 < int(report.lost_unscaled["activations/a"]) < int(report.nonzero["activations/a"])
+
+
+def test_a_users_tap_on_an_op_inside_a_cond_takes_it_off_the_not_checked_count():
+  w, x = _rand(0, (8, 8), 0.4), _rand(1, (4, 8))
+
+  def loss(w, x, taps=None):
+    t = jnp.zeros((4, 8)) if taps is None else taps["y"]
+
+    def branch(x, t):
+      return jnp.tanh(x @ w + t) @ w
+
+    return 1e-7 * jnp.sum(lax.cond(x[0, 0] > -10, branch, branch, x, t))
+
+  untapped = check_underflow(jls.autocast(loss), w, x)
+  # each branch's two matmuls (the branches are counted one by one)
+  assert {k: [int(v) for v in n] for k, n in untapped.not_checked.items()} == {"cond": [1, 4]}
+  report = check_underflow(jls.autocast(loss), w, x, activations={"y": jnp.zeros((4, 8))})
+  # the user's tap covers each branch's first matmul
+  assert {k: [int(v) for v in n] for k, n in report.not_checked.items()} == {"cond": [1, 2]}
+  assert "not checked: the 2 lower-precision op outputs inside 1 cond" in report.verdict()
+  assert int(report.nonzero["activations/y"]) == 4 * 8

@@ -169,6 +169,16 @@ def _eval_remat(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
 
 
+def _users_cross(interp: Interpreter, outer: Sequence[Val], inner: Sequence[Val]) -> None:
+  """A user's tap passed into a body (a scan's rows of it) is a user's tap there too."""
+  taps = interp.taps
+  if taps is None:
+    return
+  for o, i in zip(outer, inner, strict=True):
+    if taps.is_user(o.x):
+      taps.mark_user(i.x)
+
+
 def _carry_facts(n: int) -> list[Facts]:
   return [NO_FACTS] * n
 
@@ -196,9 +206,7 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   def body(vs: list[Val]) -> list[Val]:
     if taps is not None:
       taps.iteration({name: v.x for (name, _), v in zip(threaded, vs[n_in:], strict=True)})
-      for outer, inner in zip(ins, vs[:n_in], strict=True):
-        if taps.is_user(outer.x):  # a user's tap (or its rows) crosses into the body
-          taps.mark_user(inner.x)
+    _users_cross(interp, ins, vs[:n_in])
     outs = interp.eval_closed(closed, vs[:n_in])
     carry = cast_to_declared([o.x for o in outs[:ncarry]], carry_avals)
     return [*(Val(c) for c in carry), *outs[ncarry:]]
@@ -268,7 +276,11 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   op_x, op_facts = [v.x for v in ops], [v.facts for v in ops]
 
   def branch_fn(b: Any) -> Callable[[list[Val]], list[Val]]:
-    return lambda vs: interp.eval_closed(b, vs)
+    def run(vs: list[Val]) -> list[Val]:
+      _users_cross(interp, ops, vs)
+      return interp.eval_closed(b, vs)
+
+    return run
 
   # Each branch is interpreted once (check_underflow counts its ops once); the casts to
   # the outputs' common dtypes are added to the traced branch afterwards.
