@@ -60,9 +60,10 @@ class UnderflowReport(NamedTuple):
       finite.
     scale: float32, the loss scale of the scaled backward.
     not_checked: what the automatic taps of an autocast ``loss_fn`` did not look
-      at: per kind of region (``"scan (12 iterations)"``, ``"while"``, ``"cond"``,
-      ``"custom_vjp_call"``...), int32 ``[regions, lower-precision outputs]`` (the
-      outputs counted once per region, not per iteration). Empty otherwise.
+      at: per kind of region (``"cond"``, ``"custom_vjp_call"``, ``"custom_jvp_call"``,
+      ``"shard_map"``), int32 ``[regions, lower-precision outputs]`` (each branch's
+      outputs counted), less the outputs a user's tap is added to. Empty otherwise
+      (a ``scan``'s outputs are checked, one leaf per iteration).
   """
 
   nonzero: dict[str, jax.Array]
@@ -145,7 +146,7 @@ class UnderflowReport(NamedTuple):
       outputs = sum(int(n[1]) for n in self.not_checked.values())
       head += (
         f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
-        "(pass activations= taps threaded through the loop as scanned inputs to check them)"
+        "(pass activations= taps, added to them, to check them)"
       )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
@@ -349,8 +350,13 @@ def check_underflow(
   (its own dtype when ``half_dtype`` is not given), and the reference runs it in
   float32. The activations are seen without taps: every output of a
   lower-precision primitive (each matmul and convolution, so the logits and the
-  attention scores; outside loops, conds and custom rules) is reported under
-  ``"activations/<scope>/<primitive>#<n>"``. Taps written into ``f``
+  attention scores; outside conds and custom rules) is reported under
+  ``"activations/<scope>/<primitive>#<n>"``. Inside a ``lax.scan`` (a scanned
+  model's blocks, a ``fori_loop`` of static trip count, Flax's ``nn.scan``) each
+  output is tapped once per iteration, its leaves named
+  ``"activations/scan#<k>[<i>]/<scope>/<primitive>#<n>"`` (iteration ``i`` of the
+  function's ``k``-th scan, ``i`` the row of the scanned inputs it reads): each
+  layer of a scanned model is checked as its unrolled twin's. Taps written into ``f``
   (``h + taps["logits"]``, float32 as the model is) and Flax ``"perturbations"``
   take the dtype of the activation they are added to, so they measure its
   float16 gradient.
