@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale._autocast import AUTOCAST_MARK
 from jax_lossscale._autocast import autocast_spec
 from jax_lossscale._autocast import interpret
 from jax_lossscale._autocast import is_array
-from jax_lossscale._autocast._api import AUTOCAST_MARK
 from jax_lossscale._diagnostics._stats import named_float_leaves
 from jax_lossscale._diagnostics._taps import Taps
 from jax_lossscale._diagnostics._taps import per_iteration
@@ -255,7 +255,7 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any], in_auto
       for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
         if a in taps and b in upcast and np.dtype(eqn.invars[0].aval.dtype) == np.float32:
           half = np.dtype(upcast[b]).name
-          fix = (
+          hint = (
             # inside autocast the activation reads float32 (h.dtype is float32 there):
             # no cast written in the function reaches the half activation
             "Pass the autocast function itself as loss_fn, check_underflow(jls.autocast(f), "
@@ -268,7 +268,7 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any], in_auto
           )
           raise ValueError(
             f"activations: the tap {taps[a]!r} is added in float32 to a {half} activation "
-            f"made float32 for it, so it measures the float32 gradient. {fix}"
+            f"made float32 for it, so it measures the float32 gradient. {hint}"
           )
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if name in _STAGED and sub is not None:
