@@ -23,11 +23,13 @@ The subpackage's rooms:
 
 Besides the public names, the subpackage gives the diagnostics what they build on:
 :func:`interpret` (an autocast function evaluated with a :class:`TapSink` of gradient
-taps) and :func:`is_array`.
+taps), :func:`is_array`, and ``AUTOCAST_MARK`` (in the name of the ``jit`` an autocast
+function is staged out as).
 """
 
 # The handlers declare themselves in the registry when their module is imported.
 from jax_lossscale._autocast import _higher_order as _higher_order
+from jax_lossscale._autocast._api import AUTOCAST_MARK as AUTOCAST_MARK
 from jax_lossscale._autocast._api import AutocastSpec as AutocastSpec
 from jax_lossscale._autocast._api import autocast as autocast
 from jax_lossscale._autocast._api import autocast_spec as autocast_spec

@@ -94,6 +94,20 @@ def _scan_with_leading_consts(eqn: Any, params: dict[str, Any], k: int) -> dict[
   return dict(params, ft_in=flattree.pack((consts, carry, xs)))
 
 
+def _scan_with_trailing_xs(eqn: Any, params: dict[str, Any], m: int) -> dict[str, Any]:
+  """``params`` of a ``scan`` whose body takes ``m`` more scanned inputs, last."""
+  if not m:
+    return params
+  if "num_consts" in params or "ft_in" not in params:
+    if "linear" in params:
+      return dict(params, linear=(*params["linear"], *(False,) * m))
+    return params
+  flattree: Any = importlib.import_module("jax._src.flattree")
+
+  consts, carry, xs = params["ft_in"].unpack()
+  return dict(params, ft_in=flattree.pack((consts, carry, flattree.pack((xs, flattree.nones(m))))))
+
+
 @prims.higher_order("jit")
 def _eval_jit(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
@@ -155,11 +169,21 @@ def _eval_remat(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
 
 
+def _users_cross(interp: Interpreter, outer: Sequence[Val], inner: Sequence[Val]) -> None:
+  """A user's tap passed into a body (a scan's rows of it) is a user's tap there too."""
+  taps = interp.taps
+  if taps is None:
+    return
+  for o, i in zip(outer, inner, strict=True):
+    if taps.is_user(o.x):
+      taps.mark_user(i.x)
+
+
 def _carry_facts(n: int) -> list[Facts]:
   return [NO_FACTS] * n
 
 
-@prims.higher_order("scan", untapped=True)
+@prims.higher_order("scan")
 def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   params = eqn.params
   closed = param(eqn, "jaxpr")
@@ -173,21 +197,35 @@ def _eval_scan(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
     v.facts._replace(input_rank=None if v.facts.input_rank is None else v.facts.input_rank - 1)
     for v in xs
   ]
+  # check_underflow's taps of the outputs inside: stacked, one row per iteration, scanned.
+  taps = interp.loop_taps()
+  threaded = [] if taps is None else taps.loop(length)
+  tap_avals = [jex.mapped_aval(length, 0, aval_of(v)) for _, v in threaded]
+  n_in = len(ins)
 
   def body(vs: list[Val]) -> list[Val]:
-    outs = interp.eval_closed(closed, vs)
+    if taps is not None:
+      taps.iteration({name: v.x for (name, _), v in zip(threaded, vs[n_in:], strict=True)})
+    _users_cross(interp, ins, vs[:n_in])
+    outs = interp.eval_closed(closed, vs[:n_in])
     carry = cast_to_declared([o.x for o in outs[:ncarry]], carry_avals)
     return [*(Val(c) for c in carry), *outs[ncarry:]]
 
-  new_closed, facts = interp.trace(
-    body,
-    [*(v.x for v in consts), *init_x, *x_avals],
-    [*(v.facts for v in consts), *_carry_facts(ncarry), *x_facts],
-  )
+  try:
+    new_closed, facts = interp.trace(
+      body,
+      [*(v.x for v in consts), *init_x, *x_avals, *tap_avals],
+      [*(v.facts for v in consts), *_carry_facts(ncarry), *x_facts, *_carry_facts(len(threaded))],
+    )
+  finally:
+    if taps is not None:
+      taps.end_loop()
   new_closed, hoisted = hoist(new_closed)
-  k = len(hoisted)
-  new = dict(_scan_with_leading_consts(eqn, dict(params), k), jaxpr=new_closed)
-  outs = bind(eqn, [*hoisted, *(v.x for v in consts), *init_x, *(v.x for v in xs)], new)
+  new = _scan_with_trailing_xs(
+    eqn, _scan_with_leading_consts(eqn, dict(params), len(hoisted)), len(threaded)
+  )
+  vals = [*hoisted, *(v.x for v in consts), *init_x, *(v.x for v in xs), *(v for _, v in threaded)]
+  outs = bind(eqn, vals, dict(new, jaxpr=new_closed))
   return [
     Val(o, NO_FACTS if i < ncarry else f) for i, (o, f) in enumerate(zip(outs, facts, strict=True))
   ]
@@ -238,7 +276,11 @@ def _eval_cond(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   op_x, op_facts = [v.x for v in ops], [v.facts for v in ops]
 
   def branch_fn(b: Any) -> Callable[[list[Val]], list[Val]]:
-    return lambda vs: interp.eval_closed(b, vs)
+    def run(vs: list[Val]) -> list[Val]:
+      _users_cross(interp, ops, vs)
+      return interp.eval_closed(b, vs)
+
+    return run
 
   # Each branch is interpreted once (check_underflow counts its ops once); the casts to
   # the outputs' common dtypes are added to the traced branch afterwards.

@@ -181,14 +181,19 @@ class Interpreter:
       vals = self.promote(eqn, ins)
     return [Val(o) for o in bind(eqn, vals, params)]
 
+  def loop_taps(self) -> TapSink | None:
+    """The taps a ``scan`` threads through its iterations (none inside an untapped region)."""
+    return None if self._untapped else self.taps
+
   def tap(self, eqn: Any, outs: list[Any], label: str | None = None) -> list[Any]:
     """The outputs of a lower-precision primitive (or registered op), tapped (or counted
     as untapped)."""
     if self.taps is None:
       return outs
     if self._untapped:
-      if any(is_float(o) for o in outs):
-        self.taps.skip()
+      floats = [o for o in outs if is_float(o)]
+      if floats:
+        self.taps.skip(floats[0])
       return outs
     return [self.taps.add(eqn, o, label) if is_float(o) else o for o in outs]
 

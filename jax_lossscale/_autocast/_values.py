@@ -84,17 +84,25 @@ class TapSink(Protocol):
 
   :func:`jax_lossscale.diagnostics.check_underflow` passes one in (its gradient taps);
   autocast itself passes none. The interpreter calls :meth:`add` on each such output
-  outside loops, conds and custom rules (the array it returns replaces the output),
-  :meth:`enter` on entering the outermost of those regions and :meth:`skip` on each
-  output inside it, and reports which values are a user's tap or carry a tapped
-  output's gradient (a layout of it, a bias added).
+  outside ``while`` loops, conds and custom rules (the array it returns replaces the
+  output), :meth:`enter` on entering the outermost of those regions and :meth:`skip` on
+  each output inside it, and reports which values are a user's tap or carry a tapped
+  output's gradient (a layout of it, a bias added). A ``scan`` threads the taps inside
+  it through its iterations: :meth:`loop` on entering it gives them stacked, its body
+  gives one iteration's rows to :meth:`iteration`, and :meth:`end_loop` closes it.
   """
 
   def add(self, eqn: Any, out: Any, label: str | None = None) -> Any: ...
 
   def enter(self, eqn: Any) -> None: ...
 
-  def skip(self) -> None: ...
+  def skip(self, out: Any) -> None: ...
+
+  def loop(self, length: int) -> list[tuple[str, Any]]: ...
+
+  def iteration(self, rows: Mapping[str, Any]) -> None: ...
+
+  def end_loop(self) -> None: ...
 
   def mark_user(self, x: Any) -> None: ...
 

@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_lossscale._autocast import AUTOCAST_MARK
 from jax_lossscale._autocast import autocast_spec
 from jax_lossscale._autocast import interpret
 from jax_lossscale._autocast import is_array
 from jax_lossscale._diagnostics._stats import named_float_leaves
 from jax_lossscale._diagnostics._taps import Taps
+from jax_lossscale._diagnostics._taps import per_iteration
 from jax_lossscale._scaler._numerics import is_float
 from jax_lossscale._scaler._numerics import unscale_and_check
 from jax_lossscale._scaler._state import scale_of
@@ -58,9 +60,10 @@ class UnderflowReport(NamedTuple):
       finite.
     scale: float32, the loss scale of the scaled backward.
     not_checked: what the automatic taps of an autocast ``loss_fn`` did not look
-      at: per kind of region (``"scan (12 iterations)"``, ``"while"``, ``"cond"``,
-      ``"custom_vjp_call"``...), int32 ``[regions, lower-precision outputs]`` (the
-      outputs counted once per region, not per iteration). Empty otherwise.
+      at: per kind of region (``"cond"``, ``"custom_vjp_call"``, ``"custom_jvp_call"``,
+      ``"shard_map"``), int32 ``[regions, lower-precision outputs]`` (each branch's
+      outputs counted), less the outputs a user's tap is added to. Empty otherwise
+      (a ``scan``'s outputs are checked, one leaf per iteration).
   """
 
   nonzero: dict[str, jax.Array]
@@ -143,7 +146,7 @@ class UnderflowReport(NamedTuple):
       outputs = sum(int(n[1]) for n in self.not_checked.values())
       head += (
         f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
-        "(pass activations= taps threaded through the loop as scanned inputs to check them)"
+        "(pass activations= taps, added to them, to check them)"
       )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
@@ -159,11 +162,14 @@ class UnderflowReport(NamedTuple):
     return "\n".join(lines)
 
 
-def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
+def _autocast_call(
+  spec: Any, batch: Any, tapped: bool, loops: Mapping[str, Any]
+) -> Callable[..., Any]:
   """``call(variables, dtype)`` of an autocast ``loss_fn``: its policy, its taps honoured.
 
   Every output of a lower-precision primitive (outside loops and custom rules) gets a
-  zero tap, under ``variables["lowp"]``; the user's taps (``variables["activations"]``)
+  zero tap, under ``variables["lowp"]`` (one row per iteration inside a ``scan``, the
+  scans of each in ``loops``); the user's taps (``variables["activations"]``)
   and Flax ``"perturbations"`` in the params take the dtype of the activation they are
   added to, as constants do, so their gradients are the activations' own.
   """
@@ -175,7 +181,7 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
     return keys[:3] == [0, 0, "perturbations"]
 
   def call(v: Any, dtype: Any) -> Any:
-    taps = Taps(v["lowp"])
+    taps = Taps(v["lowp"], loops)
     args = (v["params"], batch, v["activations"]) if tapped else (v["params"], batch)
     reference = np.dtype(dtype) == np.float32  # the function as written
     return interpret(spec, dtype, args, taps=taps, follows=follows, as_written=reference)
@@ -185,10 +191,11 @@ def _autocast_call(spec: Any, batch: Any, tapped: bool) -> Callable[..., Any]:
 
 def _lowp_taps(
   spec: Any, params: Any, batch: Any, taps: Any, dtype: Any
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
   """Zeros for the outputs of the lower-precision primitives of an autocast ``loss_fn``
-  (those a user's tap is added to left out: they are tapped once), and what was not
-  tapped: ``"<n> <primitive>[ (<k> iterations)]" -> [regions, outputs]`` as int32."""
+  (those a user's tap is added to left out: they are tapped once; those inside scans
+  stacked, one row per iteration), what was not tapped: ``primitive -> [regions,
+  outputs]`` as int32, and the scans each stacked tap is in (:attr:`Taps.loops`)."""
   counted = Taps()
 
   def follows(path: tuple[Any, ...]) -> bool:
@@ -202,12 +209,9 @@ def _lowp_taps(
     for name, s in zip(counted.names, counted.shapes, strict=True)
     if name not in counted.duplicates
   }
-  untapped = {
-    prim if length is None else f"{prim} ({length} iterations)": jnp.asarray(n, jnp.int32)
-    for (prim, length), n in counted.untapped.items()
-    if n[1]
-  }
-  return zeros, untapped
+  untapped = {prim: jnp.asarray(n, jnp.int32) for prim, n in counted.untapped.items() if n[1]}
+  loops = {name: counted.loops[name] for name in zeros if name in counted.loops}
+  return zeros, untapped, loops
 
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -227,7 +231,7 @@ def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> 
     keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     if keys[:1] == ["activations"]:
       names[var] = "/".join(keys[1:])
-  _walk_taps(closed.jaxpr, names, {})
+  _walk_taps(closed.jaxpr, names, {}, False)
 
 
 #: The primitives a function is staged into whole (jit, remat, the call primitives of jax
@@ -235,7 +239,7 @@ def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> 
 _STAGED = ("jit", "remat2", "closed_call", "eval_jaxpr")
 
 
-def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None:
+def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any], in_autocast: bool) -> None:
   from jax.extend.core import Var
 
   for eqn in jaxpr.eqns:
@@ -250,12 +254,21 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
     elif name in ("add", "sub"):
       for a, b in ((ins[0], ins[1]), (ins[1], ins[0])):
         if a in taps and b in upcast and np.dtype(eqn.invars[0].aval.dtype) == np.float32:
+          half = np.dtype(upcast[b]).name
+          hint = (
+            # inside autocast the activation reads float32 (h.dtype is float32 there):
+            # no cast written in the function reaches the half activation
+            "Pass the autocast function itself as loss_fn, check_underflow(jls.autocast(f), "
+            "params, batch, activations=...) with f(params, batch, taps): its taps take "
+            "the dtype of the activation they meet (inside autocast, h.dtype reads float32, "
+            "so a cast to it changes nothing)."
+            if in_autocast
+            else f"Add the tap in the activation's dtype, before it is made float32 "
+            f"(h + taps[...].astype(dtype), dtype the loss_fn's argument, here {half})."
+          )
           raise ValueError(
-            f"activations: the tap {taps[a]!r} is added in float32 to a "
-            f"{np.dtype(upcast[b]).name} activation made float32 for it, so it measures the "
-            "float32 gradient. Cast the tap to the activation's dtype "
-            "(h + taps[...].astype(h.dtype)), or pass the autocast function itself as "
-            "loss_fn (its taps take the dtype of the activation they meet)."
+            f"activations: the tap {taps[a]!r} is added in float32 to a {half} activation "
+            f"made float32 for it, so it measures the float32 gradient. {hint}"
           )
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if name in _STAGED and sub is not None:
@@ -263,7 +276,8 @@ def _walk_taps(jaxpr: Any, taps: dict[Any, str], upcast: dict[Any, Any]) -> None
       inner_taps = {iv: taps[v] for v, iv in zip(ins, inner.invars, strict=False) if v in taps}
       inner_up = {iv: upcast[v] for v, iv in zip(ins, inner.invars, strict=False) if v in upcast}
       if inner_taps:
-        _walk_taps(inner, inner_taps, inner_up)
+        inside = in_autocast or AUTOCAST_MARK in str(eqn.params.get("name", ""))
+        _walk_taps(inner, inner_taps, inner_up, inside)
 
 
 def _arrays_only(params: Any, loss_fn: Any, spec: Any) -> tuple[Any, Any, Any]:
@@ -336,8 +350,13 @@ def check_underflow(
   (its own dtype when ``half_dtype`` is not given), and the reference runs it in
   float32. The activations are seen without taps: every output of a
   lower-precision primitive (each matmul and convolution, so the logits and the
-  attention scores; outside loops, conds and custom rules) is reported under
-  ``"activations/<scope>/<primitive>#<n>"``. Taps written into ``f``
+  attention scores; outside conds and custom rules) is reported under
+  ``"activations/<scope>/<primitive>#<n>"``. Inside a ``lax.scan`` (a scanned
+  model's blocks, a ``fori_loop`` of static trip count, Flax's ``nn.scan``) each
+  output is tapped once per iteration, its leaves named
+  ``"activations/scan#<k>[<i>]/<scope>/<primitive>#<n>"`` (iteration ``i`` of the
+  function's ``k``-th scan, ``i`` the row of the scanned inputs it reads): each
+  layer of a scanned model is checked as its unrolled twin's. Taps written into ``f``
   (``h + taps["logits"]``, float32 as the model is) and Flax ``"perturbations"``
   take the dtype of the activation they are added to, so they measure its
   float16 gradient.
@@ -422,13 +441,13 @@ def check_underflow(
   if spec is not None:
     if half_dtype is None:
       half_dtype = jnp.float16 if spec.dtype == np.float32 else spec.dtype
-    call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped)
-    lowp, not_checked = _lowp_taps(spec, params, batch, taps, half_dtype)
+    lowp, not_checked, loops = _lowp_taps(spec, params, batch, taps, half_dtype)
+    call: Callable[[Any, Any], Any] = _autocast_call(spec, batch, tapped, loops)
     variables: Any = {"params": params, "activations": taps, "lowp": lowp}
   else:
     half_dtype = jnp.float16 if half_dtype is None else half_dtype
     variables = {"params": params, "activations": taps} if tapped else params
-    not_checked = {}
+    not_checked, loops = {}, {}
 
     def call(v: Any, dtype: Any) -> Any:
       if tapped:
@@ -473,7 +492,11 @@ def check_underflow(
   nonzero, lost1, losts = {}, {}, {}
   for name, r in ref_leaves:
     nz = r != 0
-    nonzero[name] = jnp.sum(nz, dtype=jnp.int32)
-    lost1[name] = jnp.sum(nz & (flat1[name] == 0), dtype=jnp.int32)
-    losts[name] = jnp.sum(nz & (flats[name] == 0), dtype=jnp.int32)
+    tap = name[len("activations/") :]
+    # a tap inside a scan: one leaf per iteration, its row of the stacked tap
+    rows = per_iteration(name, loops[tap]) if tap in loops else [(name, ())]
+    for row_name, i in rows:
+      nonzero[row_name] = jnp.sum(nz[i], dtype=jnp.int32)
+      lost1[row_name] = jnp.sum(nz[i] & (flat1[name][i] == 0), dtype=jnp.int32)
+      losts[row_name] = jnp.sum(nz[i] & (flats[name][i] == 0), dtype=jnp.int32)
   return UnderflowReport(nonzero, lost1, losts, finite1, finite_s, scale, not_checked)
