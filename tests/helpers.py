@@ -351,3 +351,13 @@ def all_eqns(jaxpr):
     jaxprs_in_params = getattr(jex, "jaxprs_in_params", None)
     for sub in (jaxprs_in_params or jax._src.core.jaxprs_in_params)(eqn.params):
       yield from all_eqns(sub)
+
+
+#: ``GradScaler.state_dict()`` of torch's defaults.
+TORCH_DEFAULTS = {
+  "scale": 65536.0,
+  "growth_factor": 2.0,
+  "backoff_factor": 0.5,
+  "growth_interval": 2000,
+  "_growth_tracker": 0,
+}

@@ -17,6 +17,7 @@ state-dict key for a setting read from torch's dict). What is accepted:
 import math
 import re
 
+from helpers import TORCH_DEFAULTS
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,13 +28,6 @@ from jax_lossscale._scaler._state import CONFIG_FIELDS
 
 TINY = float(np.finfo(np.float32).tiny)
 HUGE = float(np.finfo(np.float32).max)
-TORCH_DEFAULTS = {
-  "scale": 65536.0,
-  "growth_factor": 2.0,
-  "backoff_factor": 0.5,
-  "growth_interval": 2000,
-  "_growth_tracker": 0,
-}
 
 
 def _real(name):

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import re
 
+from helpers import TORCH_DEFAULTS
 import jax.numpy as jnp
 import optax
 import pytest
@@ -33,15 +34,6 @@ DISTINCT = {
   "max_scale": 2.0**20,
   "hysteresis": 3,
   "dynamic": False,
-}
-
-#: ``GradScaler.state_dict()`` of torch's defaults.
-TORCH_DEFAULTS = {
-  "scale": 65536.0,
-  "growth_factor": 2.0,
-  "backoff_factor": 0.5,
-  "growth_interval": 2000,
-  "_growth_tracker": 0,
 }
 
 
