@@ -8,6 +8,8 @@
   (``docs/guides/autocast.md``) are replaced by the autocast tables rendered from the code
   by ``docs/autocast_tables.py`` (:func:`autocast_tables`).
 * ``examples/assets/*.png`` (the demo's picture) are added to the site as ``assets/``.
+* ``# docs: not run — <reason>`` lines (``tests/test_docs.py``'s marker of a code block it
+  does not execute) are left out of the rendered pages (:func:`strip_test_markers`).
 * The build fails if a name in the ``__all__`` of ``jax_lossscale`` or of one of its public
   namespaces (``jax_lossscale/<name>.py``) has no ``::: jax_lossscale...`` entry in ``docs/api/``.
 
@@ -116,7 +118,17 @@ def on_files(files, config, **kwargs):
   return files
 
 
+#: ``tests/test_docs.py``'s marker of a code block it does not run: the first line of the block.
+_NOT_RUN_LINE = re.compile(r"^([ \t]*)# docs: not run — .*\n", re.M)
+
+
+def strip_test_markers(markdown: str) -> str:
+  """The page without ``# docs: not run — <reason>`` lines: they are for the tests, not readers."""
+  return _NOT_RUN_LINE.sub("", markdown)
+
+
 def on_page_markdown(markdown, page, config, files, **kwargs):
+  markdown = strip_test_markers(markdown)
   if BENCH_MARKER in markdown:
     markdown = markdown.replace(BENCH_MARKER, benchmark_tables(_root(config)))
   tables = autocast_tables(_root(config))

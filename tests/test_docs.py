@@ -133,3 +133,14 @@ def test_the_benchmarks_page_shows_the_newest_results_first(tmp_path):
   order = [text.index(f"`benchmarks/results/{p.name}`") for p, _ in hooks.results_files(ROOT)]
   assert order == sorted(order)
   assert order[0] == text.index("`benchmarks/results/bench-gpu-large-static.json`")
+
+
+def test_the_rendered_pages_leave_out_the_not_run_markers():
+  """The hook drops the marker line of a block the tests do not run, and nothing else."""
+  hooks = _load_hooks()
+  page = "Text.\n\n```python\n# docs: not run — needs 2 processes\nx = 1\n```\n"
+  assert hooks.strip_test_markers(page) == "Text.\n\n```python\nx = 1\n```\n"
+  indented = "1. Step:\n\n    ```python\n    # docs: not run — needs tunix\n    y = 2\n    ```\n"
+  assert hooks.strip_test_markers(indented) == "1. Step:\n\n    ```python\n    y = 2\n    ```\n"
+  for page in sorted(DOCS.rglob("*.md")):
+    assert "# docs: not run" not in hooks.strip_test_markers(page.read_text()), page
