@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan mutate lint docs docs-serve dist dist-check clean
+.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan mutate lint docs docs-check docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan"
@@ -24,6 +24,7 @@ help:
 	@echo "make mutate      - mutation testing of every module, hand-written + generated mutants (about 40 min on 2 cores for its 1412 mutants, more from a fresh clone: 38 min measured on 2026-12-02 with a warm JAX compilation cache, most mutants killed by the one test tools/mutation/killers.json names; later runs on the same sources reuse kills), writes tools/mutation/mutation-report.md; MUTATE_ARGS=\"--modules _state --sample 4\" sizes a run (its report: .mutate-cache/mutation-report-sized.md)"
 	@echo "make lint        - ruff check, ruff format --check and mypy on jax_lossscale/ (installs [lint])"
 	@echo "make docs        - the docs site into site/ (mkdocs build --strict), then its internal links checked"
+	@echo "make docs-check  - make docs, then every page opened from disk in headless Chromium (needs chromium on PATH): fails on a missing image, a console error, a broken #anchor, an internal marker in the text, or search not working (tools/docs_check.py, ~15 s)"
 	@echo "make docs-serve  - the docs site on http://127.0.0.1:8000 while editing"
 	@echo "make dist        - wheel and sdist into dist/ (python -m build)"
 	@echo "make dist-check  - make dist, then each of them installed into a fresh plain venv and imported"
@@ -234,6 +235,11 @@ $(DOCS_STAMP): pyproject.toml | $(PY)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 	$(VENV)/bin/linkchecker --no-status --ignore-url='^(https?|mailto):' site/index.html
+
+# Not in .ci/run: it needs Chromium (apt-get install chromium), which a fresh clone may not have;
+# without it the script says so and exits 2.
+docs-check: docs
+	$(PY) tools/docs_check.py site
 
 docs-serve: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
