@@ -31,6 +31,7 @@ import json
 import os
 import pathlib
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -68,12 +69,12 @@ class _PageParser(html.parser.HTMLParser):
     self._text: list[str] = []
 
   def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-    values = dict(attrs)
-    if values.get("id"):
+    values = {name: value for name, value in attrs if value}
+    if "id" in values:
       self.page.ids.add(values["id"])
-    if tag == "a" and values.get("name"):
+    if tag == "a" and "name" in values:
       self.page.ids.add(values["name"])
-    if tag == "a" and values.get("href"):
+    if tag == "a" and "href" in values:
       self.page.links.append(values["href"])
     if tag in _NOT_TEXT:
       self._skip += 1
@@ -167,6 +168,8 @@ class Browser:
 
   def _read_message(self) -> dict:
     while b"\0" not in self._buffer:
+      if not select.select([self._from_chrome], [], [], PAGE_TIMEOUT_S)[0]:
+        raise RuntimeError(f"Chromium sent nothing in {PAGE_TIMEOUT_S} s")
       chunk = os.read(self._from_chrome, 1 << 20)
       if not chunk:
         raise RuntimeError("Chromium closed the DevTools pipe")
