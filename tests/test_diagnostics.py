@@ -295,7 +295,9 @@ def test_known_answer_both_ways(param_dtype):
   fine = jls.diagnostics.check_underflow(_mlp_loss(1.0), params, batch)
   assert fine.total() < 0.01, fine.table()
   assert not fine.needs_loss_scaling()
-  assert fine.verdict().startswith("does not need loss scaling here")
+  # Its two float16 matmuls' outputs had no taps: the parameters alone cannot say "no".
+  assert fine.not_checked["loss_fn"].tolist() == [1, 2]
+  assert fine.verdict().startswith("cannot tell from the parameter gradients alone")
   # The same model with a loss ~1e-9 smaller: every gradient flushes to 0
   # without scaling, none with 2**16 ... 2**40.
   tiny = jls.diagnostics.check_underflow(_mlp_loss(1e-9), params, batch, scale=2.0**40)
@@ -444,6 +446,11 @@ def test_logit_gradients_flush_while_parameter_gradients_do_not():
   plain = jls.diagnostics.check_underflow(lambda p, b, dt: _char_lm_loss(p, b, dt), params, batch)
   assert not plain.needs_loss_scaling()
   assert "parameter gradients only" in plain.verdict()
+  # ... and, the model computing in float16, it does not answer "no" from them: the tapped
+  # check above says NEEDS for the same model and batch.
+  assert plain.verdict().startswith("cannot tell from the parameter gradients alone")
+  assert int(plain.not_checked["loss_fn"][1]) > 0
+  assert "loss_fn" not in r.not_checked  # with taps, no such count
 
 
 def test_flax_perturbations_count_as_activations():

@@ -62,8 +62,11 @@ class UnderflowReport(NamedTuple):
     not_checked: what the automatic taps of an autocast ``loss_fn`` did not look
       at: per kind of region (``"cond"``, ``"custom_vjp_call"``, ``"custom_jvp_call"``,
       ``"shard_map"``), int32 ``[regions, lower-precision outputs]`` (each branch's
-      outputs counted), less the outputs a user's tap is added to. Empty otherwise
-      (a ``scan``'s outputs are checked, one leaf per iteration).
+      outputs counted), less the outputs a user's tap is added to; for a
+      ``loss_fn`` that is no autocast function and got no taps, ``"loss_fn"``:
+      ``[1, its half-precision matmul and convolution outputs]``, none of whose
+      gradients was checked. Empty otherwise (a ``scan``'s outputs are checked,
+      one leaf per iteration).
   """
 
   nonzero: dict[str, jax.Array]
@@ -105,7 +108,10 @@ class UnderflowReport(NamedTuple):
 
     Judged separately for the parameter gradients and for the activation
     gradients (when taps were given): either losing ``threshold`` or more
-    (``>=``), with scaling losing less, is a yes.
+    (``>=``), with scaling losing less, is a yes. A no judges only what was
+    looked at: where ``not_checked`` holds ``"loss_fn"``, the half-precision
+    activations' gradients were not measured, and :meth:`verdict` says it
+    cannot tell.
     """
     groups = self.looked_at()
     return any(self._needs(names, threshold) for names in groups.values())
@@ -141,15 +147,27 @@ class UnderflowReport(NamedTuple):
     head = "float16 without loss scaling flushes " + "; and ".join(parts)
     if not self.looked_at()["activations"]:
       head += " (parameter gradients only: pass activations= taps to check activations)"
-    if self.not_checked:
-      regions = ", ".join(f"{int(n[0])} {kind}" for kind, n in sorted(self.not_checked.items()))
-      outputs = sum(int(n[1]) for n in self.not_checked.values())
+    regions = {k: n for k, n in self.not_checked.items() if k != UNTAPPED}
+    if regions:
+      inside = ", ".join(f"{int(n[0])} {kind}" for kind, n in sorted(regions.items()))
+      outputs = sum(int(n[1]) for n in regions.values())
       head += (
-        f"; not checked: the {outputs} lower-precision op outputs inside {regions} "
+        f"; not checked: the {outputs} lower-precision op outputs inside {inside} "
         "(pass activations= taps, added to them, to check them)"
+      )
+    untapped = int(self.not_checked[UNTAPPED][1]) if UNTAPPED in self.not_checked else 0
+    if untapped:
+      head += (
+        f"; not checked: the gradients of loss_fn's {untapped} half-precision matmul and "
+        "convolution outputs (activations= taps, or jls.autocast of the float32 model, "
+        "check them)"
       )
     if self.needs_loss_scaling(threshold):
       return f"NEEDS loss scaling: {head}."
+    if untapped:
+      # Activation gradients flush long before parameter gradients do (those sum over
+      # the batch): a "no" from the parameters alone is no answer for a half model.
+      return f"cannot tell from the parameter gradients alone (threshold {threshold:.2%}): {head}."
     return f"does not need loss scaling here (threshold {threshold:.2%}): {head}."
 
   def table(self) -> str:
@@ -215,6 +233,27 @@ def _lowp_taps(
 
 
 _HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+#: The ``not_checked`` key of a ``loss_fn`` that got no taps and is no autocast function.
+UNTAPPED = "loss_fn"
+
+#: The primitives whose half-precision outputs count as a model's half-precision compute.
+_HALF_COMPUTE = ("dot_general", "conv_general_dilated")
+
+
+def _half_compute_outputs(jaxpr: Any) -> int:
+  """The half-precision matmul and convolution outputs of a traced loss, nested jaxprs
+  (``jit``, ``scan``, ``cond``, ``remat``, custom rules) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _HALF_COMPUTE:
+      n += sum(np.dtype(v.aval.dtype) in _HALF for v in eqn.outvars)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          n += _half_compute_outputs(inner)
+  return n
 
 
 def _check_taps_follow(call: Callable[..., Any], variables: Any, dtype: Any) -> None:
@@ -457,6 +496,11 @@ def check_underflow(
     if tapped or (isinstance(params, Mapping) and "activations" in params):
       # taps passed as activations=, or inside params under the same top-level key
       _check_taps_follow(call, variables, half_dtype)
+    elif not (isinstance(params, Mapping) and "perturbations" in params):
+      closed = jax.make_jaxpr(lambda v: call(v, half_dtype))(variables)
+      outputs = _half_compute_outputs(closed.jaxpr)
+      if outputs:
+        not_checked = {UNTAPPED: jnp.asarray([1, outputs], jnp.int32)}
 
   def grads(v, dtype, s):
     g = jax.grad(lambda q: jnp.asarray(call(q, dtype)).astype(jnp.float32) * s)(v)
