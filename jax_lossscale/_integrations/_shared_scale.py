@@ -39,9 +39,9 @@ from typing import cast
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import optax
 
 from jax_lossscale._scaler._numerics import compute_dtype
+from jax_lossscale._scaler._signals import in_stock_multisteps
 from jax_lossscale._scaler._state import scale_states
 
 
@@ -291,17 +291,14 @@ def install_loss_scale(model: nnx.Module, *, output_dtype: Any = None) -> nnx.Mo
 
 def _check_accumulation(opt_state: Any) -> None:
   """Refuses a loss scaler inside a stock ``optax.MultiSteps`` (tunix's own accumulation)."""
-  is_ms = lambda x: isinstance(x, optax.MultiStepsState)
-  for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_ms):
-    # jax_lossscale.multi_steps keeps its state in a subclass.
-    if type(node) is optax.MultiStepsState and scale_states(node.inner_opt_state):
-      raise ValueError(
-        "optimizer holds the loss scaler inside a stock optax.MultiSteps (tunix's "
-        "gradient_accumulation_steps builds one): after one overflowing micro-batch its "
-        "accumulator holds NaN, so every later step would be skipped. Leave "
-        "gradient_accumulation_steps unset and pass jls.multi_steps(jls.dynamic_loss_scale(tx), k) "
-        "(jax_lossscale.multi_steps) as the optimizer."
-      )
+  if in_stock_multisteps(opt_state):
+    raise ValueError(
+      "optimizer holds the loss scaler inside a stock optax.MultiSteps (tunix's "
+      "gradient_accumulation_steps builds one): after one overflowing micro-batch its "
+      "accumulator holds NaN, so every later step would be skipped. Leave "
+      "gradient_accumulation_steps unset and pass jls.multi_steps(jls.dynamic_loss_scale(tx), k) "
+      "(jax_lossscale.multi_steps) as the optimizer."
+    )
 
 
 def link_loss_scale(

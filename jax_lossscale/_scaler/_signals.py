@@ -51,17 +51,23 @@ def check_gradient_dtypes(grads: Any) -> None:
     )
 
 
+def in_stock_multisteps(tree: Any) -> bool:
+  """Whether a loss scaler's state sits inside a stock ``optax.MultiSteps``'s in ``tree``."""
+  is_ms = lambda x: isinstance(x, optax.MultiStepsState)
+  return any(
+    # jax_lossscale.multi_steps keeps its state in a subclass.
+    type(node) is optax.MultiStepsState and bool(scale_states(node.inner_opt_state))
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=is_ms)
+  )
+
+
 def check_accumulation(tree: Any) -> None:
   """Warns if a loss scaler sits inside a stock ``optax.MultiSteps``."""
-  is_ms = lambda x: isinstance(x, optax.MultiStepsState)
-  for node in jax.tree_util.tree_leaves(tree, is_leaf=is_ms):
-    # jax_lossscale.multi_steps keeps its state in a subclass.
-    if type(node) is optax.MultiStepsState and scale_states(node.inner_opt_state):
-      warn_once(
-        "multisteps",
-        "A loss scaler sits inside optax.MultiSteps. After one overflowing "
-        "micro-batch its accumulator holds NaN (it is reset as (1 - emit) * "
-        "acc), so every later step is skipped and the scale collapses. Use "
-        "jax_lossscale.multi_steps (same arguments, same state) instead.",
-      )
-      return
+  if in_stock_multisteps(tree):
+    warn_once(
+      "multisteps",
+      "A loss scaler sits inside optax.MultiSteps. After one overflowing "
+      "micro-batch its accumulator holds NaN (it is reset as (1 - emit) * "
+      "acc), so every later step is skipped and the scale collapses. Use "
+      "jax_lossscale.multi_steps (same arguments, same state) instead.",
+    )

@@ -864,8 +864,8 @@ MUTANTS = [
   Mutant(
     "warnings-share-a-kind",
     SIGNALS,
-    '      warn_once(\n        "multisteps",',
-    '      warn_once(\n        "bfloat16",',
+    '    warn_once(\n      "multisteps",',
+    '    warn_once(\n      "bfloat16",',
     (CFG + "::test_the_two_warnings_are_once_only_each_on_its_own",),
     "the stock-MultiSteps warning silenced by the bfloat16 one",
   ),
