@@ -23,7 +23,8 @@ The subpackage's rooms:
 
 Besides the public names, the subpackage gives the diagnostics what they build on:
 :func:`interpret` (an autocast function evaluated with a :class:`TapSink` of gradient
-taps), :func:`is_array`, and ``AUTOCAST_MARK`` (in the name of the ``jit`` an autocast
+taps), :func:`is_array`, ``jaxprs_in_params`` (the jaxprs an equation's params hold, on
+every JAX release supported), and ``AUTOCAST_MARK`` (in the name of the ``jit`` an autocast
 function is staged out as).
 """
 
@@ -42,6 +43,7 @@ from jax_lossscale._autocast._errors import ClosedOverTracerError as ClosedOverT
 from jax_lossscale._autocast._errors import UnsupportedPrimitiveError as UnsupportedPrimitiveError
 from jax_lossscale._autocast._policy import autocast_policy as autocast_policy
 from jax_lossscale._autocast._values import TapSink as TapSink
+from jax_lossscale._autocast._values import jaxprs_in_params as jaxprs_in_params
 
 __all__ = (
   "AutocastError",

@@ -22,6 +22,7 @@ from jax_lossscale._autocast import AUTOCAST_MARK
 from jax_lossscale._autocast import autocast_spec
 from jax_lossscale._autocast import interpret
 from jax_lossscale._autocast import is_array
+from jax_lossscale._autocast import jaxprs_in_params
 from jax_lossscale._diagnostics._stats import named_float_leaves
 from jax_lossscale._diagnostics._taps import Taps
 from jax_lossscale._diagnostics._taps import per_iteration
@@ -248,11 +249,7 @@ def _half_compute_outputs(jaxpr: Any) -> int:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _HALF_COMPUTE:
       n += sum(np.dtype(v.aval.dtype) in _HALF for v in eqn.outvars)
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          n += _half_compute_outputs(inner)
+    n += sum(_half_compute_outputs(sub) for sub in jaxprs_in_params(eqn.params))
   return n
 
 
