@@ -49,7 +49,7 @@ from jax_lossscale._scaler._transform import no_loss_scale as no_loss_scale
 from jax_lossscale._scaler._transform import static_loss_scale as static_loss_scale
 
 #: The one version source (pyproject.toml reads it).
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
   "AutocastError",
