@@ -7,6 +7,8 @@
 * ``<!-- policy-table -->``, ``<!-- kinds-table -->`` and ``<!-- registrations-table -->``
   (``docs/guides/autocast.md``) are replaced by the autocast tables rendered from the code
   by ``docs/autocast_tables.py`` (:func:`autocast_tables`).
+* ``<!-- examples-gallery -->`` (``docs/examples.md``) is replaced by a section per
+  ``examples/*.py``, from its docstring and source, by ``docs/examples_gallery.py``.
 * ``examples/assets/*.png`` (the demo's picture) are added to the site as ``assets/``.
 * ``# docs: not run — <reason>`` lines (``tests/test_docs.py``'s marker of a code block it
   does not execute) are left out of the rendered pages (:func:`strip_test_markers`).
@@ -105,6 +107,16 @@ def autocast_tables(root: pathlib.Path):
   return autocast_tables
 
 
+def examples_gallery(root: pathlib.Path):
+  """The module ``docs/examples_gallery.py``: the examples page's renderer."""
+  docs_dir = str(root / "docs")
+  if docs_dir not in sys.path:
+    sys.path.insert(0, docs_dir)
+  import examples_gallery
+
+  return examples_gallery
+
+
 def _root(config) -> pathlib.Path:
   return pathlib.Path(config["config_file_path"]).resolve().parent
 
@@ -131,6 +143,9 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
   markdown = strip_test_markers(markdown)
   if BENCH_MARKER in markdown:
     markdown = markdown.replace(BENCH_MARKER, benchmark_tables(_root(config)))
+  gallery = examples_gallery(_root(config))
+  if gallery.MARKER in markdown:
+    markdown = markdown.replace(gallery.MARKER, gallery.render(_root(config)))
   tables = autocast_tables(_root(config))
   if any(placeholder in markdown for placeholder in tables.PLACEHOLDERS):
     markdown = tables.render(markdown)

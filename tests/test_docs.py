@@ -132,7 +132,10 @@ def test_the_benchmarks_page_shows_the_newest_results_first(tmp_path):
   text = hooks.benchmark_tables(ROOT)
   order = [text.index(f"`benchmarks/results/{p.name}`") for p, _ in hooks.results_files(ROOT)]
   assert order == sorted(order)
-  assert order[0] == text.index("`benchmarks/results/bench-gpu-large-static.json`")
+  dated = [
+    d["machine"]["date"] for _, d in hooks.results_files(ROOT) if d.get("machine", {}).get("date")
+  ]
+  assert dated and dated[0] == max(dated)  # the page opens with the newest measurement
 
 
 def test_the_rendered_pages_leave_out_the_not_run_markers():
@@ -144,3 +147,38 @@ def test_the_rendered_pages_leave_out_the_not_run_markers():
   assert hooks.strip_test_markers(indented) == "1. Step:\n\n    ```python\n    y = 2\n    ```\n"
   for page in sorted(DOCS.rglob("*.md")):
     assert "# docs: not run" not in hooks.strip_test_markers(page.read_text()), page
+
+
+def _load_gallery():
+  return _load_hooks().examples_gallery(ROOT)
+
+
+def test_the_examples_page_has_every_example_with_its_source():
+  gallery = _load_gallery()
+  assert gallery.MARKER in (DOCS / "examples.md").read_text()
+  text = gallery.render(ROOT)
+  scripts = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+  assert sorted(p.name for p in gallery.scripts(ROOT)) == scripts
+  assert set(gallery.ORDER) == {name[:-3] for name in scripts}  # a new example gets a place
+  for name in scripts:
+    assert f"`examples/{name}`" in text
+    assert f'??? example "The source of `{name}`"' in text
+  assert text.index("`examples/optax_quickstart.py`") < text.index("`examples/demo_fp16.py`")
+  descriptions = "".join(s.split("??? example")[0] for s in text.split("\n## "))
+  assert not re.search(r"(?<!`)``(?!`)", descriptions)  # reST literals became Markdown's
+
+
+def test_the_examples_page_turns_a_literal_block_into_a_fenced_one(tmp_path):
+  gallery = _load_gallery()
+  (tmp_path / "examples").mkdir()
+  (tmp_path / "examples" / "x.py").write_text(
+    '"""Title of ``x``.\n\nRun it as two processes::\n\n  python x.py --n 2\n  python x.py --n 3\n"""\n'
+  )
+  section = gallery.section(tmp_path / "examples" / "x.py")
+  assert section.startswith("## Title of `x`\n")
+  assert "Run it as two processes:\n\n```bash\npython x.py --n 2\npython x.py --n 3\n```" in section
+  assert "```bash\npython examples/x.py\n```" in section  # no "Run:" line: the plain command
+  (tmp_path / "examples" / "y.py").write_text('"""Y.\n\nRun: python examples/y.py [--smoke]\n"""\n')
+  section = gallery.section(tmp_path / "examples" / "y.py")
+  assert "```bash\npython examples/y.py [--smoke]\n```" in section
+  assert "Run:" not in section.split("??? example")[0]
