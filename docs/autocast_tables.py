@@ -4,9 +4,9 @@
 markdown. The renderers read only the stable entry points: ``jax_lossscale.autocast_policy()``;
 ``KIND_DESCRIPTIONS``, ``table_names()``, ``versioned_names()``, ``UNHANDLED`` and the kind
 constants of ``jax_lossscale._autocast._primitives``; ``_registrations.registrations()``. What the
-code does not hold (each kind's examples and behaviour, each registration's torch op) is prose
-kept here, keyed by the code's names: a kind or a registration without its prose, prose for one
-the code no longer has, or an example primitive of another kind fails the build.
+code does not hold (each kind's examples and behaviour) is prose kept here, keyed by the code's
+names: a kind without its prose, prose for one the code no longer has, or an example primitive of
+another kind fails the build. Each registration declares its torch op itself.
 """
 
 from __future__ import annotations
@@ -211,50 +211,13 @@ def kinds_table() -> str:
 
 # -- the shipped composite-op registrations ----------------------------------------------
 
-#: (module, attribute) -> the torch op each registration stands for, and how it runs there.
-TORCH_OPS = {
-  ("jax.nn", "dot_product_attention"): (
-    "`scaled_dot_product_attention` (lower_precision_fp); on a GPU with float16 or bfloat16"
-    " inputs and `implementation=None` it picks cuDNN's fused kernel where cuDNN takes the"
-    " shapes, as torch picks flash attention"
-  ),
-  ("jax.nn", "gelu"): (
-    "`gelu` (in no list): torch's fused kernel returns its input's dtype; written out,"
-    " `x ** 3` would be torch's float32 `pow`"
-  ),
-  ("flax.linen", "gelu"): "`gelu`",
-  ("flax.nnx", "gelu"): "`gelu`",
-  ("equinox.nn", "LSTMCell.__call__"): "`lstm_cell`: every input cast, the float32 carry too",
-  ("equinox.nn", "GRUCell.__call__"): "`gru_cell`",
-  ("equinox.nn", "BatchNorm.__call__"): (
-    "cuDNN's `batch_norm`: float32 statistics, the output in the input's dtype"
-  ),
-  ("flax.nnx", "LSTMCell.__call__"): "`lstm_cell`",
-  ("flax.nnx", "OptimizedLSTMCell.__call__"): "`lstm_cell`",
-  ("flax.nnx", "GRUCell.__call__"): "`gru_cell`",
-  ("flax.nnx", "SimpleCell.__call__"): "`rnn_tanh_cell`",
-  ("flax.nnx", "BatchNorm.__call__"): (
-    "`batch_norm`; the batch statistics are written back to the module"
-  ),
-  ("flax.linen", "LSTMCell.__call__"): "`lstm_cell`",
-  ("flax.linen", "OptimizedLSTMCell.__call__"): "`lstm_cell`",
-  ("flax.linen", "GRUCell.__call__"): "`gru_cell`",
-  ("flax.linen", "MGUCell.__call__"): "`gru_cell` (the nearest torch cell)",
-  ("flax.linen", "SimpleCell.__call__"): "`rnn_tanh_cell`",
-  ("flax.linen", "BatchNorm.__call__"): (
-    "`batch_norm`; the `batch_stats` collection is updated as `mutable=` asks"
-  ),
-}
-
 
 def registrations_table() -> str:
   """One row per ``_registrations.registrations()`` entry, in its order: module, attribute,
-  rule, and the torch op of :data:`TORCH_OPS`."""
+  rule, and the torch op the registration declares."""
   from jax_lossscale._autocast import _registrations
 
-  registered = _registrations.registrations()
-  _same_keys("registration", [(m, a) for m, a, *_ in registered], TORCH_OPS)
-  rows = [(f"`{m}`", f"`{a}`", rule, TORCH_OPS[m, a]) for m, a, rule, *_ in registered]
+  rows = [(f"`{m}`", f"`{a}`", rule, torch) for m, a, rule, torch in _registrations.registrations()]
   return _table(("module", "attribute", "rule", "torch"), rows)
 
 

@@ -143,7 +143,7 @@ CASES = {
 
 #: Each registration of ``_registrations.registrations()`` has a case.
 _REGISTERED = {
-  f"{m}.{a.removesuffix('.__call__')}" for m, a, _ in jls._autocast._registrations.registrations()
+  f"{m}.{a.removesuffix('.__call__')}" for m, a, *_ in jls._autocast._registrations.registrations()
 }
 
 
@@ -564,9 +564,9 @@ def test_a_registration_whose_module_or_attribute_is_absent_is_skipped(monkeypat
     raise AssertionError(f"installed on {original!r}")
 
   absent = (
-    ("jls_module_never_imported", "gelu", never),
-    ("jax.nn", "jls_no_such_function", never),
-    ("jax.nn", "JlsNoSuchClass.__call__", never),
+    _registrations.Registration("jls_module_never_imported", "gelu", never, "`gelu`"),
+    _registrations.Registration("jax.nn", "jls_no_such_function", never, "none"),
+    _registrations.Registration("jax.nn", "JlsNoSuchClass.__call__", never, "none"),
   )
   monkeypatch.setattr(_registrations, "_REGISTRATIONS", (*absent, *_registrations._REGISTRATIONS))
   gelu = jax.nn.gelu

@@ -20,6 +20,7 @@ import functools
 import sys
 import threading
 from typing import Any
+from typing import NamedTuple
 
 import jax
 
@@ -151,33 +152,78 @@ def _linen(rule: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   return make
 
 
-#: (module, attribute path, wrapper maker). Installed while autocast traces, on the
-#: modules already imported; each is restored afterwards.
-_REGISTRATIONS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
-  ("jax.nn", "dot_product_attention", _attention),
-  ("jax.nn", "gelu", _method(PROMOTE)),
-  ("flax.linen", "gelu", _method(PROMOTE)),
-  ("flax.nnx", "gelu", _method(PROMOTE)),
-  ("equinox.nn", "LSTMCell.__call__", _method(LOWER)),
-  ("equinox.nn", "GRUCell.__call__", _method(LOWER)),
-  ("equinox.nn", "BatchNorm.__call__", _method(FLOAT32_COMPUTE, primary=1)),
-  ("flax.nnx", "LSTMCell.__call__", _nnx(LOWER, stats=False)),
-  ("flax.nnx", "OptimizedLSTMCell.__call__", _nnx(LOWER, stats=False)),
-  ("flax.nnx", "GRUCell.__call__", _nnx(LOWER, stats=False)),
-  ("flax.nnx", "SimpleCell.__call__", _nnx(LOWER, stats=False)),
-  ("flax.nnx", "BatchNorm.__call__", _nnx(FLOAT32_COMPUTE, stats=True)),
-  ("flax.linen", "LSTMCell.__call__", _linen(LOWER)),
-  ("flax.linen", "OptimizedLSTMCell.__call__", _linen(LOWER)),
-  ("flax.linen", "GRUCell.__call__", _linen(LOWER)),
-  ("flax.linen", "MGUCell.__call__", _linen(LOWER)),
-  ("flax.linen", "SimpleCell.__call__", _linen(LOWER)),
-  ("flax.linen", "BatchNorm.__call__", _linen(FLOAT32_COMPUTE)),
+class Registration(NamedTuple):
+  """A shipped composite-op registration: where the function lives, how it is wrapped, and
+  the torch op it stands for (the autocast guide's table renders from these rows)."""
+
+  module: str
+  path: str  # the attribute path: "fun", or "Class.__call__" for a method
+  make: Callable[[Callable[..., Any]], Callable[..., Any]]  # the wrapper maker
+  torch: str  # the torch op (Markdown), and how it runs there
+
+
+#: Installed while autocast traces, on the modules already imported; each is restored
+#: afterwards.
+_REGISTRATIONS: tuple[Registration, ...] = (
+  Registration(
+    "jax.nn",
+    "dot_product_attention",
+    _attention,
+    "`scaled_dot_product_attention` (lower_precision_fp); on a GPU with float16 or bfloat16 "
+    "inputs and `implementation=None` it picks cuDNN's fused kernel where cuDNN takes the "
+    "shapes, as torch picks flash attention",
+  ),
+  Registration(
+    "jax.nn",
+    "gelu",
+    _method(PROMOTE),
+    "`gelu` (in no list): torch's fused kernel returns its input's dtype; written out, "
+    "`x ** 3` would be torch's float32 `pow`",
+  ),
+  Registration("flax.linen", "gelu", _method(PROMOTE), "`gelu`"),
+  Registration("flax.nnx", "gelu", _method(PROMOTE), "`gelu`"),
+  Registration(
+    "equinox.nn",
+    "LSTMCell.__call__",
+    _method(LOWER),
+    "`lstm_cell`: every input cast, the float32 carry too",
+  ),
+  Registration("equinox.nn", "GRUCell.__call__", _method(LOWER), "`gru_cell`"),
+  Registration(
+    "equinox.nn",
+    "BatchNorm.__call__",
+    _method(FLOAT32_COMPUTE, primary=1),
+    "cuDNN's `batch_norm`: float32 statistics, the output in the input's dtype",
+  ),
+  Registration("flax.nnx", "LSTMCell.__call__", _nnx(LOWER, stats=False), "`lstm_cell`"),
+  Registration("flax.nnx", "OptimizedLSTMCell.__call__", _nnx(LOWER, stats=False), "`lstm_cell`"),
+  Registration("flax.nnx", "GRUCell.__call__", _nnx(LOWER, stats=False), "`gru_cell`"),
+  Registration("flax.nnx", "SimpleCell.__call__", _nnx(LOWER, stats=False), "`rnn_tanh_cell`"),
+  Registration(
+    "flax.nnx",
+    "BatchNorm.__call__",
+    _nnx(FLOAT32_COMPUTE, stats=True),
+    "`batch_norm`; the batch statistics are written back to the module",
+  ),
+  Registration("flax.linen", "LSTMCell.__call__", _linen(LOWER), "`lstm_cell`"),
+  Registration("flax.linen", "OptimizedLSTMCell.__call__", _linen(LOWER), "`lstm_cell`"),
+  Registration("flax.linen", "GRUCell.__call__", _linen(LOWER), "`gru_cell`"),
+  Registration(
+    "flax.linen", "MGUCell.__call__", _linen(LOWER), "`gru_cell` (the nearest torch cell)"
+  ),
+  Registration("flax.linen", "SimpleCell.__call__", _linen(LOWER), "`rnn_tanh_cell`"),
+  Registration(
+    "flax.linen",
+    "BatchNorm.__call__",
+    _linen(FLOAT32_COMPUTE),
+    "`batch_norm`; the `batch_stats` collection is updated as `mutable=` asks",
+  ),
 )
 
 
-def registrations() -> tuple[tuple[str, str, str], ...]:
-  """``(module, attribute, rule)`` of each shipped registration (for the guide's table)."""
-  return tuple((module, path, make.rule) for module, path, make in _REGISTRATIONS)  # type: ignore[attr-defined]
+def registrations() -> tuple[tuple[str, str, str, str], ...]:
+  """``(module, attribute, rule, torch op)`` of each shipped registration (the guide's table)."""
+  return tuple((r.module, r.path, r.make.rule, r.torch) for r in _REGISTRATIONS)  # type: ignore[attr-defined]
 
 
 def _resolve(module: str, path: str) -> tuple[Any, str] | None:
@@ -218,7 +264,7 @@ def tracing(dtype: Any) -> Iterator[None]:
   with _LOCK:
     _DEPTH["n"] += 1
     if _DEPTH["n"] == 1:
-      for module, path, make in _REGISTRATIONS:
+      for module, path, make, _ in _REGISTRATIONS:
         found = _resolve(module, path)
         if found is None:
           continue
