@@ -81,7 +81,6 @@ __all__ = (
   "KIND_DESCRIPTIONS",
   "LAYOUT",
   "LOWER",
-  "NEWEST_TESTED",
   "OLDEST_TESTED",
   "POLICY_TABLE",
   "PROMOTE",
@@ -536,10 +535,9 @@ _KINDS: dict[str, tuple[str, ...]] = {
 
 #: The JAX releases whose primitives the table was checked against (every primitive each one
 #: defines, from jax 0.9.0, the oldest supported, to the newest): tests/test_autocast_primitives.py
-#: checks the installed one; docs/getting-started.md has the runs.
+#: checks the installed one; CONTRIBUTING.md has the runs.
 CHECKED_RELEASES = ((0, 9, 0), (0, 9, 1), (0, 9, 2), (0, 10, 2), (0, 11, 2), (0, 12, 0))
 OLDEST_TESTED = CHECKED_RELEASES[0]
-NEWEST_TESTED = CHECKED_RELEASES[-1]
 
 _V090, _V091 = (0, 9, 0), (0, 9, 1)
 _V10, _V11, _V12 = (0, 10, 0), (0, 11, 0), (0, 12, 0)
