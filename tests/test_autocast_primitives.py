@@ -58,12 +58,12 @@ def test_every_name_in_the_table_is_a_primitive_of_this_jax():
   missing = sorted(n for n in prims.table_names() if n not in names)
   assert not missing, (
     f"names in the kind table that jax {jax.__version__} does not define (if a JAX version "
-    f"removed them, give them their last version in _primitives._VERSIONED): {missing}"
+    f"removed them, give them their last version in _kinds.VERSIONED): {missing}"
   )
 
 
 def test_each_version_specific_name_is_defined_exactly_in_its_releases():
-  # The ranges of _VERSIONED are facts of each JAX release, checked on each one installed:
+  # The ranges of VERSIONED are facts of each JAX release, checked on each one installed:
   # a name that this JAX defines outside its range (or not inside it) means a wrong range.
   names = {p.name for p, _ in PRIMITIVES}
   release = prims.jax_release()
@@ -125,9 +125,9 @@ def test_every_handler_is_declared_for_a_primitive_of_some_checked_release():
 
 
 def test_a_primitive_is_declared_once():
-  listed = [n for names in prims._KINDS.values() for n in names]
+  listed = [n for names in prims.KINDS.values() for n in names]
   rows = [row.primitive for row in prims.POLICY_TABLE]
-  every = [*listed, *rows, *prims._VERSIONED, *prims.handlers()]
+  every = [*listed, *rows, *prims.VERSIONED, *prims.handlers()]
   twice = sorted({n for n in every if every.count(n) > 1})
   assert not twice, f"declared twice in the registry: {twice}"
   with pytest.raises(ValueError, match="'scan' is declared twice"):

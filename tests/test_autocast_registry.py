@@ -86,7 +86,7 @@ def test_resolve_gives_the_exported_object_and_refuses_any_other_name():
 
 def test_a_release_defines_a_primitive_up_to_the_first_release_that_drops_it():
   # closed_call: declared by its handler until jax 0.11 (eval_jaxpr replaces it); xla_pmap
-  # in _VERSIONED until jax 0.10. `until` is the first release without the primitive.
+  # in VERSIONED until jax 0.10. `until` is the first release without the primitive.
   assert prims.handler_of("closed_call").until == (0, 11, 0)
   assert prims.defined_in("closed_call", (0, 10, 2))
   assert not prims.defined_in("closed_call", (0, 11, 0))

@@ -10,6 +10,7 @@ parent packages' ``__init__``; those implicit edges are left out, as import-lint
 * No module imports itself back through others.
 * Autocast's interface to the rest of the package is its subpackage's ``__init__``: no
   module outside ``_autocast`` imports one of its private modules.
+* No module is over :data:`MAX_LINES` lines: one that grows past it holds more than one concept.
 * Every module of ``jax_lossscale/`` is reachable from the public modules; the wheel ships
   the package's tree as it is (``[tool.setuptools.packages.find]``), so a module that no
   public module reaches would be dead code in the wheel.
@@ -131,6 +132,19 @@ def test_imports_only_reach_down_the_layers():
 
 def test_no_module_imports_itself_back():
   assert _cycles(_graph()) == set()
+
+
+#: The longest a module of the package may be.
+MAX_LINES = 600
+
+
+def test_no_module_is_over_the_line_limit():
+  long = {
+    str(path.relative_to(ROOT)): n
+    for path in sorted(ROOT.rglob("*.py"))
+    if (n := len(path.read_text().splitlines())) > MAX_LINES
+  }
+  assert not long, f"modules over {MAX_LINES} lines (split each by concept): {long}"
 
 
 def test_autocast_is_reached_through_its_subpackage_only():
