@@ -26,6 +26,8 @@ before any test module, and so before this one, is imported).
   :func:`transformer_tokens`, :data:`TORCH_CUDA_LAYER_DTYPES`: a one-block decoder that
   returns every layer's output, and each layer's dtype under CUDA ``torch.autocast``
   (``tests/test_autocast.py``, ``tests/test_autocast_torch.py``).
+* :func:`tanh_custom_vjp`: ``tanh`` as a user's ``jax.custom_vjp`` (its output saved as the
+  residual), counting its backward's calls (``tests/test_autocast*.py``).
 * :data:`DEVIATIONS`: the autocast zoo's cases where autocast deliberately differs from
   torch (``tests/test_autocast_zoo.py``, ``tests/test_autocast_guide.py``).
 """
@@ -216,6 +218,27 @@ def calibrated_iterations(x, seconds=1.0):
 # -- the one-block decoder of tests/test_autocast.py and tests/test_autocast_torch.py ------
 
 _F16, _F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
+
+
+def tanh_custom_vjp(calls: list | None = None):
+  """``tanh`` as a ``jax.custom_vjp`` whose forward saves its output and whose backward
+  computes ``g * (1 - y * y)``, appending to ``calls`` (if given) each time it is traced."""
+
+  @jax.custom_vjp
+  def tanh(x):
+    return jnp.tanh(x)
+
+  def fwd(x):
+    y = jnp.tanh(x)
+    return y, y
+
+  def bwd(y, g):
+    if calls is not None:
+      calls.append(1)
+    return (g * (1 - y * y),)
+
+  tanh.defvjp(fwd, bwd)
+  return tanh
 
 
 def rand(key, shape, scale=1.0):

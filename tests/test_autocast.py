@@ -7,6 +7,7 @@ from helpers import TORCH_CUDA_LAYER_DTYPES
 from helpers import all_eqns
 from helpers import assert_bits_equal
 from helpers import rand as _rand
+from helpers import tanh_custom_vjp
 from helpers import transformer_layers
 from helpers import transformer_params
 from helpers import transformer_tokens as _tokens
@@ -567,23 +568,8 @@ def _hop_funs():
   }
 
 
-@jax.custom_vjp
-def _user_vjp(x):
-  return jnp.tanh(x)
-
-
-def _user_vjp_fwd(x):
-  y = jnp.tanh(x)
-  return y, y
-
-
-def _user_vjp_bwd(y, g):
-  _BWD_CALLS.append(1)
-  return (g * (1.0 - y * y),)
-
-
 _BWD_CALLS: list = []
-_user_vjp.defvjp(_user_vjp_fwd, _user_vjp_bwd)
+_user_vjp = tanh_custom_vjp(_BWD_CALLS)
 
 
 @pytest.mark.parametrize("name", list(_hop_funs()))

@@ -3,6 +3,7 @@
 import functools
 import itertools
 
+from helpers import tanh_custom_vjp
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -153,21 +154,7 @@ def test_a_reverse_scan_keeps_its_direction():
   assert not np.array_equal(np.asarray(backwards[0]), np.asarray(forwards[0]))
 
 
-@jax.custom_vjp
-def _tanh_vjp(x):
-  return jnp.tanh(x)
-
-
-def _tanh_vjp_fwd(x):
-  y = jnp.tanh(x)
-  return y, y
-
-
-def _tanh_vjp_bwd(y, g):
-  return (g * (1 - y * y),)
-
-
-_tanh_vjp.defvjp(_tanh_vjp_fwd, _tanh_vjp_bwd)
+_tanh_vjp = tanh_custom_vjp()
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
