@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan mutate lint docs docs-check docs-serve dist dist-check clean
+.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan bench-compile mutate lint docs docs-check docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan"
@@ -18,6 +18,7 @@ help:
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
 	@echo "make gpu-bench   - the quick benchmark with what is installed (for a GPU machine)"
+	@echo "make bench-compile - trace, lower and compile seconds of a GPT step (hand-cast, autocast, scaler, retry; 4, 12 and 48 blocks; CPU and an H200 target), ~50 min on 2 cores"
 	@echo "make gpu-plan    - bench_large's variants compiled for an H200 and a V100 without a GPU: kernels, bytes, temporaries, host round trips, predicted ratios (benchmarks/results/gpu-plan-*)"
 	@echo "make gpu-session - on a lent GPU machine, in one call: gpu-check, gpu-bench-large and gpu-bench-retry, each under a time limit, logs and results in BENCH_OUT (benchmarks/gpu_session.sh; ~9.5 min)"
 	@echo "make gpu-bench-retry - whether a retry_on_overflow step makes the host wait (for a GPU machine)"
@@ -201,6 +202,10 @@ test: $(GPU_PLAN_STAMP)
 # Writes gpu-plan-h200.{md,json} and gpu-plan-v100.{md,json} to $(BENCH_OUT) (~10 min on 2 cores).
 gpu-plan: $(GPU_PLAN_STAMP)
 	$(GPU_PLAN_PY) benchmarks/gpu_plan_report.py --out $(BENCH_OUT)
+
+# Writes bench-compile-gpt.{md,json} to $(BENCH_OUT): the H200 target needs the CUDA plugin's venv.
+bench-compile: $(GPU_PLAN_STAMP)
+	$(GPU_PLAN_PY) benchmarks/bench_compile_gpt.py --layers 4 12 48 --targets cpu h200 --rounds 3 --out $(BENCH_OUT)
 
 MUTATE_STAMP := $(VENV)/.installed-mutate
 

@@ -223,6 +223,8 @@ def markdown(payload: dict[str, Any]) -> str:
     return large_markdown(payload)
   if payload.get("kind") == "gpu-plan":
     return plan_markdown(payload)
+  if payload.get("kind") == "compile-gpt":
+    return compile_markdown(payload)
   info, settings, results = payload["machine"], payload["settings"], payload["results"]
   variants = shown_variants(payload)
   lines = [
@@ -429,4 +431,53 @@ def plan_markdown(payload: dict[str, Any]) -> str:
     )
   for name, note in payload.get("notes", {}).items():
     lines += ["", f"- {name}: {note}"]
+  return "\n".join(lines) + "\n"
+
+
+def compile_markdown(payload: dict[str, Any]) -> str:
+  """``make bench-compile``'s report: trace, lower and compile seconds, and the goals' ratios."""
+  settings, results = payload["settings"], payload["results"]
+  goals = settings["goals"]
+  lines = [
+    "# Compile time of a GPT train step (measured)",
+    "",
+    _machine_line(payload["machine"]),
+    "",
+    f"`python benchmarks/bench_compile_gpt.py {settings['args']}`. GPT-2 small's widths (d 768, "
+    "12 heads), sequence 128, batch 2, vocab 2048, blocks unrolled by a Python loop; one AdamW "
+    "step. `adamw`: the model hand-cast to float16; `scaler`: the same with "
+    "`dynamic_loss_scale`; `autocast`: the float32 model under `jls.autocast(..., float16)`, the "
+    "same scaler; `retry`: `scaler` with `retry_on_overflow`. `h200`: XLA:GPU compiling for an "
+    "H200 with no GPU (the compile is a real host-side figure; nothing ran on a GPU). Seconds, "
+    f"median of {settings['rounds']} rounds in one process (the variants' order rotated each "
+    "round, caches cleared before each compile).",
+    "",
+    "| model | target | variant | trace s | lower s | compile s | optimized HLO lines |",
+    "|---|---|---|---:|---:|---:|---:|",
+  ]
+  for res in results:
+    for v in settings["variants"]:
+      m = res["median"][v]
+      lines.append(
+        f"| GPT, {res['layers']} blocks | {res['target']} | {v} | {m['trace']:.2f} | "
+        f"{m['lower']:.2f} | {m['compile']:.2f} | {int(m['hlo_lines'])} |"
+      )
+  lines += [
+    "",
+    "Ratios of the XLA compile time, per round, and their median:",
+    "",
+    "| model | target | ratio | median | rounds | goal |",
+    "|---|---|---|---:|---|---|",
+  ]
+  for res in results:
+    for name, r in res["ratios"].items():
+      verdict = "-"
+      if name in goals:
+        limit = goals[name][2]
+        verdict = f"<= {limit}: " + ("met" if r["median"] <= limit else "**missed**")
+      rounds = ", ".join(f"{x:.2f}" for x in r["rounds"])
+      lines.append(
+        f"| GPT, {res['layers']} blocks | {res['target']} | {name} | {r['median']:.2f}x | "
+        f"{rounds} | {verdict} |"
+      )
   return "\n".join(lines) + "\n"

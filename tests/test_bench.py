@@ -276,3 +276,33 @@ def test_retry_sync_benchmark_runs_and_renders(tmp_path, capsys):
   )
   text = (tmp_path / "retry-sync-cpu.md").read_text()
   assert "| as compiled | scaled |" in text and "| as compiled | retry |" in text
+
+
+def test_compile_benchmark_runs_tiny_and_renders():
+  """bench_compile_gpt on a tiny GPT (CPU): every variant compiles; the report renders its goals."""
+  compile_gpt = load_benchmark_module("bench_compile_gpt")
+  with standard_promotion():
+    res = compile_gpt.run(2, "cpu", 1, cfg=bench_gpt.TINY_GPT)
+  lines = {v: res["median"][v]["hlo_lines"] for v in compile_gpt.VARIANTS}
+  # the scaler adds its check and skip to plain AdamW; the retry holds the backward twice
+  assert lines["adamw"] < lines["scaler"] < lines["retry"]
+  for name, r in res["ratios"].items():
+    a, b = {**compile_gpt.GOALS, **compile_gpt.EXTRA}[name][:2]
+    assert r["rounds"] == [
+      x["compile"] / y["compile"] for x, y in zip(res["rounds"][a], res["rounds"][b])
+    ]
+  payload = {
+    "kind": "compile-gpt",
+    "machine": bench_report.machine_info(),
+    "settings": {
+      "args": "--tiny",
+      "rounds": 1,
+      "variants": list(compile_gpt.VARIANTS),
+      "goals": {k: list(v) for k, v in compile_gpt.GOALS.items()},
+      "extra": compile_gpt.EXTRA,
+    },
+    "results": [res],
+  }
+  text = bench_report.markdown(payload)
+  assert text.count("| GPT, 2 blocks | cpu |") == len(compile_gpt.VARIANTS) + len(res["ratios"])
+  assert "<= 1.2: " in text and "<= 1.5: " in text
