@@ -306,3 +306,21 @@ def test_compile_benchmark_runs_tiny_and_renders():
   text = bench_report.markdown(payload)
   assert text.count("| GPT, 2 blocks | cpu |") == len(compile_gpt.VARIANTS) + len(res["ratios"])
   assert "<= 1.2: " in text and "<= 1.5: " in text
+
+
+def test_cpu_step_anatomy_counts_each_weights_passes():
+  """cpu_step_anatomy on the 1M MLP: plain Adam's passes over a weight, and the scaler's more."""
+  anatomy = load_benchmark_module("cpu_step_anatomy")
+  model = bench_models.MODELS["mlp-1m"]
+  size = 512 * 1024
+  with standard_promotion():
+    (base, n_base), (scaled, n_scaled) = (
+      anatomy.passes(anatomy.compiled_text(v, model), size) for v in ("baseline", "jax_lossscale")
+    )
+  assert n_base == n_scaled == 2  # the 512x1024 and 1024x512 weights' gradients
+  # plain Adam: the gradient's matmul, then the new mu, nu and params, each one fusion
+  assert [r["opcode"] for r in base].count("dot") == 2 and len(base) == 4 * 2
+  assert sum(r["read"] + r["written"] for r in base) == 44 * 2
+  # the scaler reads and writes more: at least its finiteness check's read of each gradient
+  assert sum(r["read"] + r["written"] for r in scaled) >= (44 + 4) * 2
+  assert any(r["op"] == "is_finite" for r in scaled)
