@@ -225,6 +225,10 @@ def markdown(payload: dict[str, Any]) -> str:
     return plan_markdown(payload)
   if payload.get("kind") == "compile-gpt":
     return compile_markdown(payload)
+  if payload.get("kind") == "rl-grpo":
+    import rl_grpo  # benchmarks/ is on the path of whoever imported this module
+
+    return rl_grpo.markdown(payload)
   info, settings, results = payload["machine"], payload["settings"], payload["results"]
   variants = shown_variants(payload)
   lines = [
