@@ -227,24 +227,31 @@ def markdown(payload: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def plot(payload: dict[str, Any], path: str) -> None:
+def plot(payload: dict[str, Any], path: str, window: int = 20) -> None:
+  """One panel a dtype: each seed's reward, its ``window``-step mean over the raw curve."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4))
-  colors = {"float32": "tab:blue", "bfloat16": "tab:orange", "float16": "tab:green"}
-  for r in payload["runs"]:
-    label = r["dtype"] + (" + scaler" if r["dtype"] == "float16" else "")
-    seen = {t.get_label() for t in ax.get_lines()}
-    ax.plot(
-      r["rewards"], color=colors[r["dtype"]], alpha=0.7, label=None if label in seen else label
-    )
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("mean reward of the step's completions")
-  ax.set_title("GRPO in tunix, from scratch (each line a seed)")
-  ax.legend()
+  names = [n for n in DTYPES if any(r["dtype"] == n for r in payload["runs"])]
+  fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4), sharey=True)
+  axes = np.atleast_1d(axes)
+  for ax, name in zip(axes, names):
+    for i, r in enumerate(run for run in payload["runs"] if run["dtype"] == name):
+      y = np.asarray(r["rewards"])
+      smooth = np.convolve(y, np.ones(window) / window, mode="valid")
+      color = f"C{i}"
+      ax.plot(y, color=color, alpha=0.15, linewidth=0.6)
+      skips = ""
+      if "skips" in r:
+        skips = f", {r['skips']} skip" + ("" if r["skips"] == 1 else "s")
+      ax.plot(np.arange(window - 1, len(y)), smooth, color=color, label=f"seed {r['seed']}{skips}")
+    ax.set_title(name + (" + scaler" if name == "float16" else ""))
+    ax.set_xlabel("GRPO step")
+    ax.legend(loc="upper left", fontsize=8)
+  axes[0].set_ylabel(f"reward ({window}-step mean; raw, pale)")
+  fig.suptitle("GRPO in tunix on a from-scratch Qwen3: the copy task's reward", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
@@ -261,7 +268,13 @@ def main(argv=None) -> dict[str, Any]:
   p.add_argument("--generations", type=int, default=Settings.generations)
   p.add_argument("--out", default=None, help="a folder for rl-grpo.md and rl-grpo.json")
   p.add_argument("--plot", default=None, help="where to draw the reward curves (a .png)")
+  p.add_argument("--replot", default=None, help="only draw --plot from this rl-grpo.json")
   args = p.parse_args(argv)
+  if args.replot:
+    with open(args.replot) as f:
+      payload = json.load(f)
+    plot(payload, args.plot)
+    return payload
   from importlib import metadata
 
   import tunix  # noqa: F401  (fails early, before any run, where google-tunix is missing)
