@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 import numpy as np
 
@@ -368,7 +367,7 @@ def _fmt(x: float) -> str:
 
 
 def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> tuple[str, dict]:
-  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (XLA:CPU)"
   first = next(iter(runs.values()))
   data = {
