@@ -288,6 +288,8 @@ def summarize(logp_sampler: np.ndarray, logp_trainer: np.ndarray) -> dict[str, f
 
 def _child(setting: str, size: Size, raw_out: pathlib.Path) -> None:
   """One XLA setting (its flag already in XLA_FLAGS): measure, save the raw arrays, print JSON."""
+  import importlib.metadata
+
   import jax
 
   start = time.perf_counter()
@@ -299,6 +301,7 @@ def _child(setting: str, size: Size, raw_out: pathlib.Path) -> None:
         "setting": setting,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "jax": jax.__version__,
+        "tunix": importlib.metadata.version("google-tunix"),
         "backend": jax.default_backend(),
         "seconds": round(time.perf_counter() - start, 1),
         "stats": {d: summarize(r["logp_sampler"], r["logp_trainer"]) for d, r in result.items()},
@@ -333,7 +336,8 @@ def plot(raws: dict[str, dict[str, np.ndarray]], path: pathlib.Path) -> None:
     logp = {d: (s.astype(np.float64), t.astype(np.float64)) for d, (s, t) in logp.items()}
     dps = {d: np.abs(np.exp(s) - np.exp(t)) for d, (s, t) in logp.items()}
     positive = np.concatenate([v[v > 0] for v in dps.values()])
-    bins = np.logspace(np.log10(positive.min()), np.log10(positive.max()), 50)
+    lo, hi = (positive.min(), positive.max()) if positive.size else (1e-12, 1.0)
+    bins = np.logspace(np.log10(lo), np.log10(hi), 50)
     for d, v in dps.items():
       zero = np.mean(v == 0)
       row[0].hist(
@@ -375,6 +379,7 @@ def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> t
     "machine": machine,
     "command": command,
     "jax": first["jax"],
+    "tunix": first["tunix"],
     "seconds": round(seconds, 1),
     "size": dataclasses.asdict(size),
     "paper_figure_5": PAPER,
@@ -384,7 +389,8 @@ def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> t
   lines = [
     "# The training-inference mismatch, measured (benchmarks/rl_mismatch.py)",
     "",
-    f"{now}; {machine}; jax {first['jax']}; `{command}`; {seconds:.0f} s in all.",
+    f"{now}; {machine}; jax {first['jax']}, google-tunix {first['tunix']}; `{command}`; "
+    f"{seconds:.0f} s in all.",
     "",
     f"Model: tunix's `Qwen3`, {s.num_layers} layers, d {s.embed_dim}, MLP {s.hidden_dim}, "
     f"{s.num_heads} query heads and {s.num_kv_heads} KV heads of {s.head_dim}, vocabulary "

@@ -30,6 +30,43 @@ def test_summarize_on_hand_computed_probabilities():
   assert same["token_max"] == same["seq_abs_max"] == 0.0 and same["token_zero_fraction"] == 1.0
 
 
+def _synthetic(scale):
+  """Raw arrays as the child saves them: float32 exact, the half dtypes off by ``scale``."""
+  rng = np.random.default_rng(0)
+  logp = np.log(rng.uniform(0.01, 1.0, (4, 8))).astype(np.float32)
+  raw = {}
+  for d, err in zip(rl_mismatch.DTYPES, [0.0, 8 * scale, scale], strict=True):
+    raw[f"{d}/tokens"] = np.zeros((4, 8), np.int32)
+    raw[f"{d}/logp_sampler"] = logp
+    raw[f"{d}/logp_trainer"] = (logp - err * rng.uniform(0.5, 1.0, logp.shape)).astype(np.float32)
+  return raw
+
+
+def test_report_and_plot(tmp_path):
+  raws = {s: _synthetic(1e-3) for s in rl_mismatch.SETTINGS}
+  runs = {
+    s: {
+      "jax": "0",
+      "tunix": "0",
+      "seconds": 1.0,
+      "stats": {
+        d: rl_mismatch.summarize(raw[f"{d}/logp_sampler"], raw[f"{d}/logp_trainer"])
+        for d in rl_mismatch.DTYPES
+      },
+    }
+    for s, raw in raws.items()
+  }
+  md, data = rl_mismatch.report(runs, rl_mismatch.TINY, 2.0, "cmd")
+  assert md.count("| float16 |") == len(rl_mismatch.SETTINGS) + 1  # + the paper's table
+  for s in rl_mismatch.SETTINGS:
+    assert f"`{rl_mismatch.SETTINGS[s]}`" in md
+    assert data["settings"][s]["bf16_over_fp16_token_median"] == pytest.approx(8, rel=0.3)
+  assert data["size"]["vocab_size"] == rl_mismatch.TINY.vocab_size
+  assert data["paper_figure_5"]["bfloat16"]["kl_mu_pi"] == 7.64
+  rl_mismatch.plot(raws, tmp_path / "m.png")
+  assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bad_setting_is_refused():
   with pytest.raises(ValueError, match="--settings"):
     rl_mismatch.main(["--settings", "fast"])
