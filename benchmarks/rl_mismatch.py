@@ -10,7 +10,7 @@ For each dtype (float32, bfloat16, float16), the same float32 master weights are
 dtype and the model computes in it (tunix's ``ModelConfig(dtype=..., param_dtype=...)``):
 
 * **sampler**: tunix's own ``Sampler`` (prefill, then its jitted decode loop with the model's KV
-  cache) draws ``--gen`` tokens after each prompt at temperature 1 and returns the log
+  cache) draws ``Size.gen_len`` tokens after each prompt at temperature 1 and returns the log
   probability of each sampled token (``return_logprobs=True``);
 * **trainer**: tunix's ``rl.common.compute_per_token_logps``, what its GRPO learner calls: the
   full-sequence forward of the same model on prompt + completion, no cache.
@@ -27,7 +27,9 @@ process of its own (``XLA_FLAGS`` must be set before JAX is imported), under a t
 Run ``python benchmarks/rl_mismatch.py`` (needs ``google-tunix``; ``make rl-demo`` builds a venv
 for it). It writes ``rl-mismatch.{md,json}`` to ``--out`` and the histograms to ``--plot``.
 The weights are random (tunix zero-initialises Qwen3's MLP: it expects pretrained weights, so the
-MLP is re-drawn here), the token ids too: no checkpoint or tokenizer is downloaded.
+MLP is re-drawn here, with the attention projections, the embedding and the output head), the
+token ids too: no checkpoint or tokenizer is downloaded. ``python benchmarks/rl_mismatch.py
+--quick`` runs the same on a one-layer model (a smoke test, numbers of no interest).
 """
 
 from __future__ import annotations
