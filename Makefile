@@ -7,13 +7,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 OUT    ?= out
 
-.PHONY: help venv test test-compat test-newest demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan bench-compile mutate lint docs docs-check docs-serve dist dist-check clean
+.PHONY: help venv test test-compat test-newest demo rl-demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan bench-compile mutate lint docs docs-check docs-serve dist dist-check clean
 
 help:
 	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan"
 	@echo "make test-compat - COMPAT=oldest|newest|jax011: the core tests (tests/compat/core.txt) and those of JAX's internals (tests/compat/internals.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
 	@echo "make test-newest - the same tests on the newest jax, flax, optax, equinox, chex, on a Python >= 3.12 (found or built: tools/find_python.sh), in .venv-newest"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU) in .venv-demo (jax-lossscale[demo], no torch), writes $(OUT)/"
+	@echo "make rl-demo     - the training-inference mismatch of RL on a tunix Qwen3 in float32, bfloat16, float16 (CPU, ~2 min) in .venv-rl (google-tunix), writes benchmarks/results/rl-mismatch.* and docs/assets/rl-mismatch.png"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
@@ -135,6 +136,25 @@ $(DEMO_STAMP): pyproject.toml
 
 demo: $(DEMO_STAMP)
 	$(DEMO_PY) examples/demo_fp16.py --out $(OUT)
+
+# Its own venv with google-tunix (about 50 packages, 0.7 GB: not a test dependency) and
+# matplotlib, built as .venv-demo is. The measurement (benchmarks/rl_mismatch.py) runs each XLA
+# setting in a child process of its own, under a time limit.
+RL_VENV  := .venv-rl
+RL_PY    := $(RL_VENV)/bin/python
+RL_STAMP := $(RL_VENV)/.installed
+
+$(RL_STAMP): pyproject.toml
+	@start=$$(date +%s) && \
+	  $(PYTHON) -m venv $(RL_VENV) && \
+	  $(RL_PY) -m pip install --quiet --no-compile -e . google-tunix==0.1.7 matplotlib && \
+	  echo "== $(RL_VENV): jax-lossscale, google-tunix 0.1.7 installed in $$(( $$(date +%s) - start )) s"
+	@touch $(RL_STAMP)
+
+# The mismatch measurement; a short GRPO run in float16 (tunix's GRPOLearner with
+# jls.flax.link_loss_scale) is to come as this target's second command.
+rl-demo: $(RL_STAMP)
+	$(RL_PY) benchmarks/rl_mismatch.py
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -288,4 +308,4 @@ endef
 export DIST_CHECK
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(GPU_PLAN_VENV) .venv-compat-* $(NEWEST_VENV) .pytest_cache $(OUT) site dist build
+	rm -rf $(VENV) $(DEMO_VENV) $(RL_VENV) $(GPU_PLAN_VENV) .venv-compat-* $(NEWEST_VENV) .pytest_cache $(OUT) site dist build
