@@ -225,6 +225,10 @@ def markdown(payload: dict[str, Any]) -> str:
     return plan_markdown(payload)
   if payload.get("kind") == "compile-gpt":
     return compile_markdown(payload)
+  if payload.get("kind") == "rl-mismatch":
+    import rl_mismatch  # benchmarks/ is on the path of whoever imported this module
+
+    return rl_mismatch.markdown(payload)
   if payload.get("kind") == "rl-grpo":
     import rl_grpo  # benchmarks/ is on the path of whoever imported this module
 

@@ -373,12 +373,18 @@ def _fmt(x: float) -> str:
 
 
 def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> tuple[str, dict]:
+  """The results file's contents (``data``) and its markdown, rendered from them."""
   now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
   machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} (XLA:CPU)"
   first = next(iter(runs.values()))
+  for run in runs.values():
+    bf, fp = run["stats"]["bfloat16"], run["stats"]["float16"]
+    run["bf16_over_fp16_token_median"] = (
+      bf["token_median"] / fp["token_median"] if fp["token_median"] else float("inf")
+    )
   data = {
-    "date": now,
-    "machine": machine,
+    "kind": "rl-mismatch",
+    "machine": {"date": now, "description": machine},
     "command": command,
     "jax": first["jax"],
     "tunix": first["tunix"],
@@ -387,11 +393,20 @@ def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> t
     "paper_figure_5": PAPER,
     "settings": runs,
   }
-  s = size
+  return markdown(data), data
+
+
+def markdown(data: dict) -> str:
+  """``rl-mismatch.md``, from the contents of ``rl-mismatch.json``."""
+  now, machine = data["machine"]["date"], data["machine"]["description"]
+  command, seconds, runs = data["command"], data["seconds"], data["settings"]
+  s = Size(**data["size"])
+  paper = data["paper_figure_5"]
+  model = f"Qwen3 {s.num_layers}x{s.embed_dim}"
   lines = [
     "# The training-inference mismatch, measured (benchmarks/rl_mismatch.py)",
     "",
-    f"{now}; {machine}; jax {first['jax']}, google-tunix {first['tunix']}; `{command}`; "
+    f"{now}; {machine}; jax {data['jax']}, google-tunix {data['tunix']}; `{command}`; "
     f"{seconds:.0f} s in all.",
     "",
     f"Model: tunix's `Qwen3`, {s.num_layers} layers, d {s.embed_dim}, MLP {s.hidden_dim}, "
@@ -416,21 +431,20 @@ def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> t
     lines += [
       f"## XLA:CPU, {setting} (`{SETTINGS[setting]}`), {run['seconds']} s",
       "",
-      "| dtype | token median | p90 | p99 | max | exactly 0 | seq mean (KL estimate) | seq median "
-      "abs | seq p90 abs | seq max abs | slope / 1K tokens |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "| model | dtype | token median | p90 | p99 | max | exactly 0 | seq mean (KL estimate) "
+      "| seq median abs | seq p90 abs | seq max abs | slope / 1K tokens |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in DTYPES:
       x = st[d]
       lines.append(
-        f"| {d} | {_fmt(x['token_median'])} | {_fmt(x['token_p90'])} | {_fmt(x['token_p99'])} "
+        f"| {model} | {d} | {_fmt(x['token_median'])} | {_fmt(x['token_p90'])} | {_fmt(x['token_p99'])} "
         f"| {_fmt(x['token_max'])} | {x['token_zero_fraction']:.0%} | {_fmt(x['seq_mean'])} "
         f"| {_fmt(x['seq_abs_median'])} | {_fmt(x['seq_abs_p90'])} | {_fmt(x['seq_abs_max'])} "
         f"| {_fmt(x['slope_per_1k_tokens'])} |"
       )
     bf, fp = st["bfloat16"], st["float16"]
-    ratio = bf["token_median"] / fp["token_median"] if fp["token_median"] else float("inf")
-    run["bf16_over_fp16_token_median"] = ratio
+    ratio = run["bf16_over_fp16_token_median"]
     lines += [
       "",
       f"bfloat16's median token mismatch over float16's: {ratio:.1f}x "
@@ -448,13 +462,16 @@ def report(runs: dict[str, dict], size: Size, seconds: float, command: str) -> t
     "",
     "| dtype | slope of log(pi/mu) / 1K tokens | KL[mu / pi] per sequence |",
     "|---|---|---|",
-    *(f"| {d} | {v['slope_per_1k_tokens']} | {v['kl_mu_pi']} |" for d, v in PAPER.items()),
+    *(
+      f"| {d} | {v['slope_per_1k_tokens']} | {v['kl_mu_pi']} |"
+      for d, v in data["paper_figure_5"].items()
+    ),
     "",
-    f"Ratio bfloat16 / float16: slope {PAPER['bfloat16']['slope_per_1k_tokens'] / PAPER['float16']['slope_per_1k_tokens']:.0f}x, "
-    f"KL {PAPER['bfloat16']['kl_mu_pi'] / PAPER['float16']['kl_mu_pi']:.0f}x.",
+    f"Ratio bfloat16 / float16: slope {paper['bfloat16']['slope_per_1k_tokens'] / paper['float16']['slope_per_1k_tokens']:.0f}x, "
+    f"KL {paper['bfloat16']['kl_mu_pi'] / paper['float16']['kl_mu_pi']:.0f}x.",
     "",
   ]
-  return "\n".join(lines), data
+  return "\n".join(lines)
 
 
 def main(argv=None) -> int:
