@@ -64,14 +64,15 @@ def _row(stacked, i):
 
 
 def _check(loss, params, batch):
-  """``check_underflow(jls.autocast(loss, jnp.float16), params, batch)``, jitted.
+  """``check_underflow(jls.autocast(loss, jnp.float16), params, batch)``, jitted; and the
+  primitives of ``loss`` (nested ones included), for the tests to check their premise
+  (a scan, a remat).
 
   Compiled at XLA's lowest optimisation level: on the CPU, compiling the three backward
   passes is most of the check's time (half of it at the default level), and the scanned
   model and its twin are compiled alike.
   """
   amp = jls.autocast(loss, jnp.float16)
-  # the premise: a scanned model's loss has its blocks in a scan
   prims = {e.primitive.name for e in all_eqns(jax.make_jaxpr(loss)(params, batch).jaxpr)}
   checked = jax.jit(lambda p, b: check_underflow(amp, p, b))
   compiled = checked.lower(params, batch).compile({"xla_backend_optimization_level": 0})
