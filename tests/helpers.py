@@ -28,6 +28,9 @@ before any test module, and so before this one, is imported).
   (``tests/test_autocast.py``, ``tests/test_autocast_torch.py``).
 * :func:`tanh_custom_vjp`: ``tanh`` as a user's ``jax.custom_vjp`` (its output saved as the
   residual), counting its backward's calls (``tests/test_autocast*.py``).
+* :func:`tap_number`, :func:`block_counts`: an automatic tap's program-order counter, and
+  ``check_underflow``'s counts per block of a scanned model or its unrolled twin
+  (``tests/test_underflow_scan.py``, ``tests/test_underflow_scan_flax.py``).
 * :data:`DEVIATIONS`: the autocast zoo's cases where autocast deliberately differs from
   torch (``tests/test_autocast_zoo.py``, ``tests/test_autocast_guide.py``).
 """
@@ -384,3 +387,38 @@ TORCH_DEFAULTS = {
   "growth_interval": 2000,
   "_growth_tracker": 0,
 }
+
+
+# -- check_underflow's per-layer counts (tests/test_underflow_scan*.py) ------------------
+
+
+def tap_number(name):
+  """The program-order counter of an automatic tap: ``n`` of ``.../<primitive>#<n>``."""
+  return int(name.rsplit("#", 1)[1])
+
+
+def block_counts(report, blocks):
+  """Per block, its activation taps' ``(nonzero, lost unscaled, lost scaled)``, in the
+  block's order; and the other activation taps' (those after the blocks: the logits').
+
+  In a scanned model, block ``i`` is iteration ``i`` of the first scan (``scan#0[i]``); in
+  its unrolled twin, the taps in program order are ``blocks`` blocks of the same number of
+  taps, then the others.
+  """
+  acts = report.looked_at()["activations"]
+  per_block, rest = [[] for _ in range(blocks)], []
+  inside = [k for k in acts if "scan#0[" in k]
+  if inside:
+    for k in sorted(inside, key=tap_number):
+      per_block[int(k.split("scan#0[", 1)[1].split("]", 1)[0])].append(k)
+    rest = [k for k in acts if k not in inside]
+  else:
+    ordered = sorted(acts, key=tap_number)
+    per = (len(ordered) - 1) // blocks
+    per_block = [ordered[i * per : (i + 1) * per] for i in range(blocks)]
+    rest = ordered[blocks * per :]
+
+  def counts(k):
+    return int(report.nonzero[k]), int(report.lost_unscaled[k]), int(report.lost_scaled[k])
+
+  return [[counts(k) for k in b] for b in per_block], [counts(k) for k in rest]

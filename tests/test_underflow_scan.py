@@ -10,6 +10,8 @@ counts exactly, and the verdict must name the worst layer wherever it is.
 import functools
 
 from conftest import import_optional
+from helpers import block_counts
+from helpers import tap_number
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -104,32 +106,6 @@ def _report(loop, remat=False):
   return check_underflow(_loss(loop, remat), GPT(jax.random.key(0)), _batch())
 
 
-def _number(name):
-  return int(name.rsplit("#", 1)[1])
-
-
-def _layers(report):
-  """Per block, its taps' ``(nonzero, lost unscaled, lost scaled)`` in the block's order;
-  and the other taps' (the logits')."""
-  acts = report.looked_at()["activations"]
-  blocks, rest = [[] for _ in range(L)], []
-  inside = [k for k in acts if "scan#0[" in k]
-  if inside:  # scan#0[i]: iteration i is block i
-    for k in sorted(inside, key=_number):
-      blocks[int(k.split("scan#0[", 1)[1].split("]", 1)[0])].append(k)
-    rest = [k for k in acts if k not in inside]
-  else:  # in program order, L blocks of the same length, then the head
-    ordered = sorted(acts, key=_number)
-    per = (len(ordered) - 1) // L
-    blocks = [ordered[i * per : (i + 1) * per] for i in range(L)]
-    rest = ordered[L * per :]
-
-  def counts(k):
-    return int(report.nonzero[k]), int(report.lost_unscaled[k]), int(report.lost_scaled[k])
-
-  return [[counts(k) for k in b] for b in blocks], [counts(k) for k in rest]
-
-
 @pytest.mark.parametrize(
   ("loop", "remat", "twin"),
   [
@@ -143,8 +119,8 @@ def _layers(report):
 )
 def test_each_iteration_is_checked_as_its_unrolled_block(loop, remat, twin):
   unrolled, report = _report(twin), _report(loop, remat)
-  blocks, rest = _layers(report)
-  want_blocks, want_rest = _layers(unrolled)
+  blocks, rest = block_counts(report, L)
+  want_blocks, want_rest = block_counts(unrolled, L)
   # qkv, scores, probabilities @ v, proj, fc, out: six taps per block, every block
   assert [len(b) for b in want_blocks] == [6] * L
   assert blocks == want_blocks
@@ -207,7 +183,7 @@ def test_nested_scans_give_one_leaf_per_iteration_pair(loop):
   # scan#0 is the outer scan, scan#1 the inner one; [i] its iteration
   want = [f"activations/scan#0[{i}]/scan#1[{j}]/dot_general#0" for i in range(2) for j in range(3)]
   assert sorted(acts) == sorted(want)
-  in_order = sorted(unrolled.looked_at()["activations"], key=_number)
+  in_order = sorted(unrolled.looked_at()["activations"], key=tap_number)
   for field in ("nonzero", "lost_unscaled", "lost_scaled"):
     got, ref = getattr(report, field), getattr(unrolled, field)
     assert [int(got[k]) for k in want] == [int(ref[k]) for k in in_order]
@@ -230,7 +206,7 @@ def test_a_reversed_scan_names_its_iterations_by_their_rows():
   unrolled = check_underflow(jls.autocast(lambda ws, h: loss(ws, h, False)), ws, h)
   # iteration i is row i of the scanned input: ws[2] runs first
   rows = [f"activations/scan#0[{i}]/dot_general#0" for i in (2, 1, 0)]
-  in_order = sorted(unrolled.looked_at()["activations"], key=_number)
+  in_order = sorted(unrolled.looked_at()["activations"], key=tap_number)
   assert [int(report.lost_unscaled[k]) for k in rows] == [
     int(unrolled.lost_unscaled[k]) for k in in_order
   ]
