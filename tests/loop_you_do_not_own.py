@@ -6,6 +6,7 @@ test in the same file (run when ``google-tunix`` is installed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -209,15 +210,15 @@ class StandInTrainer:
   def train(self, inputs):
     """tunix's loop: each step dispatched, its loss buffered and written (with a call of
     ``on_train_step_end``) once the next step is dispatched, the last one at ``close``,
-    after ``on_train_end``. The hooks' ``on_train_step_start`` runs under a transfer guard
-    here: a hook that read a device value there would make the host wait for the step in
-    flight."""
+    after ``on_train_end``. The hooks' ``on_train_step_start`` runs under
+    :func:`no_device_reads` here: a hook that read a device value there would make the host
+    wait for the step in flight."""
     hooks, pending = self.training_hooks, None
     if hooks:
       hooks.on_train_start(self)
     for batch in inputs:
       if hooks:
-        with jax.transfer_guard_device_to_host("disallow"):
+        with no_device_reads():
           hooks.on_train_step_start(self)
       loss, _, _ = self.train_step(batch)
       self.train_steps += 1
@@ -234,6 +235,30 @@ class StandInTrainer:
     self.metrics_logger.log(self.metrics_prefix, "loss", np.asarray(loss), "train", step)
     if self.training_hooks:
       self.training_hooks.on_train_step_end(self, step, np.asarray(loss))
+
+
+@contextlib.contextmanager
+def no_device_reads():
+  """Makes reading a ``jax.Array``'s value on the host raise: ``float``, ``int``, ``.item()``,
+  ``jax.device_get`` and ``block_until_ready`` (``jax.transfer_guard`` does not see
+  device-to-host reads on CPU; ``np.asarray`` goes through the buffer protocol and is not
+  caught). Dispatching jitted programs on arrays is still allowed."""
+  from jax._src import array  # the class behind jax.Array
+
+  cls = array.ArrayImpl
+  names = ("_value", "block_until_ready", "item", "tolist", "__array__")
+  saved = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
+
+  def refuse(*_, **__):
+    raise AssertionError("a device value was read on the host here")
+
+  for name in saved:
+    setattr(cls, name, property(refuse) if name == "_value" else refuse)
+  try:
+    yield
+  finally:
+    for name, v in saved.items():
+      setattr(cls, name, v)
 
 
 class StandInMetricsLogger:

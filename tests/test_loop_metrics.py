@@ -5,15 +5,17 @@ metrics writes, its logger; see ``loop_you_do_not_own.py``), always run; the tun
 ``test_loop_you_do_not_own.py`` run the same on tunix itself when it is installed. Checked:
 the logged scale, skip count and retries are the scaler's after each step, at the step
 number of the trainer's loss; nothing is read from the device before a step (the stand-in
-runs the hooks' step start under a transfer guard); the copy compiles once.
+runs the hooks' step start under ``no_device_reads``); the copy compiles once.
 """
 
 from flax import nnx
 from helpers import standard_promotion
+import jax
 import jax.numpy as jnp
 from loop_you_do_not_own import StandInTrainer
 from loop_you_do_not_own import TinyLM
 from loop_you_do_not_own import batches
+from loop_you_do_not_own import no_device_reads
 import numpy as np
 import optax
 import pytest
@@ -47,6 +49,7 @@ def test_logged_values_are_the_scalers_after_each_step():
   trainer = StandInTrainer(TinyLM(nnx.Rngs(0)), tx)
   link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
   hooks = log_loss_scale(trainer)
+  _shared_metrics._snapshot.clear_cache()  # counted below: one compilation for the whole run
   after = []
   with standard_promotion():  # optax.adam is not strict-clean
     trainer.train(_recorded(trainer, batches(16), after))
@@ -124,6 +127,15 @@ def test_the_trainers_own_hooks_keep_running():
     "on_train_step_end",
   ]
   assert list(_history(trainer, "skipped_steps")) == [0, 0]
+
+
+def test_no_device_reads_catches_a_host_read():
+  """The check the stand-in's loop relies on."""
+  x = jnp.ones(()) + 1
+  for read in (float, int, lambda a: a.item(), jax.device_get, jax.block_until_ready):
+    with no_device_reads(), pytest.raises(AssertionError, match="read on the host"):
+      read(x)
+  assert float(x) == 2.0
 
 
 def test_errors():

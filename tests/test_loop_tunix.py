@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from loop_you_do_not_own import T
 from loop_you_do_not_own import TinyLM
 from loop_you_do_not_own import batches
+from loop_you_do_not_own import no_device_reads
 import numpy as np
 import optax
 import pytest
@@ -40,14 +41,22 @@ def _guide_block(marker):
 
 def test_logged_scale_and_skips_after_a_forced_overflow():
   """2**30 overflows float16 at once: skipped steps, then applied ones; tunix's metrics log
-  holds, at each step's number, the scaler's scale and skip count after that step."""
+  holds, at each step's number, the scaler's scale and skip count after that step, and the
+  copy taken before each step reads nothing from the device."""
   from tunix.sft import peft_trainer
 
   config = peft_trainer.TrainingConfig(eval_every_n_steps=1000, max_steps=14)
   tx = jls.dynamic_loss_scale(optax.adam(3e-3), init_scale=2.0**30, growth_interval=3)
   trainer = peft_trainer.PeftTrainer(TinyLM(nnx.Rngs(0)), tx, config)
   link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
-  log_loss_scale(trainer)
+  hooks = log_loss_scale(trainer)
+  copy = hooks._copy  # called before each step: it must not read from the device
+
+  def guarded(t):
+    with no_device_reads():
+      copy(t)
+
+  hooks._copy = guarded
   trainer.with_gen_model_input_fn(lambda x: x)
   after = []
 
