@@ -9,6 +9,7 @@ loop-you-do-not-own guide tells a tunix user to write, run on tunix's unedited t
   recomputed at a lower scale and applied, where tunix's own step skips it.
 * tunix's ``DPOTrainer`` builds its attention mask with the linked model's
   ``get_attention_mask``.
+* ``benchmarks/tunix_settings.py`` (the measurement behind the guide's settings) runs.
 """
 
 from flax import nnx
@@ -243,3 +244,22 @@ def test_dpo_uses_the_linked_models_attention_mask():
   assert int(state.skipped_steps[...]) == 0 and int(trainer.optimizer.step[...]) == 3
   after = jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
   assert any(not np.array_equal(a, b) for a, b in zip(after, before))
+
+
+def test_settings_benchmark_runs_and_renders(tmp_path):
+  """``benchmarks/tunix_settings.py``, which measured the guide's settings, on 2 steps."""
+  import sys
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  try:
+    import tunix_settings
+  finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
+  out = tmp_path / "tunix-settings.md"
+  promotion = jax.config.jax_numpy_dtype_promotion
+  try:
+    tunix_settings.main(["--steps", "2", "--seeds", "0", "--out", str(out)])
+  finally:
+    jax.config.update("jax_numpy_dtype_promotion", promotion)
+  rows = [line for line in out.read_text().splitlines() if line.startswith("| 2**")]
+  assert len(rows) == len(tunix_settings.SETTINGS) and "torch's defaults" in rows[1]
