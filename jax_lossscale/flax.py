@@ -23,7 +23,8 @@ jax_lossscale as jls``, this module is ``jls.flax`` (imported on first use).
   that builds its ``nnx.Optimizer`` and calls ``loss_fn(model, batch)``):
   :func:`link_loss_scale` installs the scaling in the model, in place (a
   :class:`LossScaledModel`), and links it to the optimizer; the model's backward pass is
-  then scaled by the optimizer's own scale variable.
+  then scaled by the optimizer's own scale variable. :func:`log_loss_scale` puts the
+  scale, the skips and the retries in a tunix trainer's own metrics log.
 
 Needs Flax (``pip install 'jax-lossscale[flax]'``). The implementation lives in
 :mod:`jax_lossscale._integrations._flax`.
@@ -34,17 +35,21 @@ from jax_lossscale._integrations._flax import TrainState as TrainState
 from jax_lossscale._integrations._flax import value_and_grad as value_and_grad
 
 # A loop you do not own (tunix, any NNX trainer): the scale shared by the model and its optimizer.
+from jax_lossscale._integrations._shared_metrics import LossScaleHooks as LossScaleHooks
+from jax_lossscale._integrations._shared_metrics import log_loss_scale as log_loss_scale
 from jax_lossscale._integrations._shared_retry import retry_value_and_grad as retry_value_and_grad
 from jax_lossscale._integrations._shared_scale import LossScaledModel as LossScaledModel
 from jax_lossscale._integrations._shared_scale import install_loss_scale as install_loss_scale
 from jax_lossscale._integrations._shared_scale import link_loss_scale as link_loss_scale
 
 __all__ = (
+  "LossScaleHooks",
   "LossScaledModel",
   "ScaledValueAndGrad",
   "TrainState",
   "install_loss_scale",
   "link_loss_scale",
+  "log_loss_scale",
   "retry_value_and_grad",
   "value_and_grad",
 )

@@ -6,6 +6,7 @@ test in the same file (run when ``google-tunix`` is installed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -184,9 +185,94 @@ class StandInTrainer:
 
   def train_step(self, inputs):
     if self._jitted is None:
-      step = nnx.jit(self._train_step, donate_argnames=("optimizer",))
+      step = nnx.jit(self.create_train_step_fn(), donate_argnames=("optimizer",))
       self._jitted = nnx.cached_partial(step, self.model, self.optimizer)
     return self._jitted(inputs)
+
+  def create_train_step_fn(self):
+    return self._train_step
+
+  # -- tunix's metrics: the loop of ``PeftTrainer.train``, its hooks and its logger ----------
+
+  metrics_prefix = ""
+  training_hooks = None
+  train_steps = 0
+
+  def with_training_hooks(self, training_hooks):
+    self.training_hooks = training_hooks
+
+  @property
+  def metrics_logger(self):
+    if not hasattr(self, "_logger"):
+      self._logger = StandInMetricsLogger()
+    return self._logger
+
+  def train(self, inputs):
+    """tunix's loop: each step dispatched, its loss buffered and written (with a call of
+    ``on_train_step_end``) once the next step is dispatched, the last one at ``close``,
+    after ``on_train_end``. The hooks' ``on_train_step_start`` runs under
+    :func:`no_device_reads` here: a hook that read a device value there would make the host
+    wait for the step in flight."""
+    hooks, pending = self.training_hooks, None
+    if hooks:
+      hooks.on_train_start(self)
+    for batch in inputs:
+      if hooks:
+        with no_device_reads():
+          hooks.on_train_step_start(self)
+      loss, _, _ = self.train_step(batch)
+      self.train_steps += 1
+      if pending is not None:
+        self._write(*pending)
+      pending = (self.train_steps, loss)
+    jax.block_until_ready(loss)  # tunix's throttler.wait_for_all
+    if hooks:
+      hooks.on_train_end(self)
+    if pending is not None:  # close
+      self._write(*pending)
+
+  def _write(self, step, loss):
+    self.metrics_logger.log(self.metrics_prefix, "loss", np.asarray(loss), "train", step)
+    if self.training_hooks:
+      self.training_hooks.on_train_step_end(self, step, np.asarray(loss))
+
+
+@contextlib.contextmanager
+def no_device_reads():
+  """Makes reading a ``jax.Array``'s value on the host raise: ``float``, ``int``, ``.item()``,
+  ``jax.device_get`` and ``block_until_ready`` (``jax.transfer_guard`` does not see
+  device-to-host reads on CPU; ``np.asarray`` goes through the buffer protocol and is not
+  caught). Dispatching jitted programs on arrays is still allowed."""
+  from jax._src import array  # the class behind jax.Array
+
+  cls = array.ArrayImpl
+  names = ("_value", "block_until_ready", "item", "tolist", "__array__")
+  saved = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
+
+  def refuse(*_, **__):
+    raise AssertionError("a device value was read on the host here")
+
+  for name in saved:
+    setattr(cls, name, property(refuse) if name == "_value" else refuse)
+  try:
+    yield
+  finally:
+    for name, v in saved.items():
+      setattr(cls, name, v)
+
+
+class StandInMetricsLogger:
+  """tunix's ``MetricsLogger``: a history per prefix, mode and name."""
+
+  def __init__(self):
+    self.logged = {}
+
+  def log(self, metrics_prefix, metric_name, scalar_value, mode, step):
+    key = (metrics_prefix, str(mode), metric_name)
+    self.logged.setdefault(key, []).append((step, scalar_value))
+
+  def get_metric_history(self, metrics_prefix, metric_name, mode):
+    return np.stack([v for _, v in self.logged[(metrics_prefix, str(mode), metric_name)]])
 
 
 class StandInSampler:
