@@ -277,13 +277,15 @@ def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_i
   "fun",
   [
     pytest.param(lambda a: jnp.tanh(a) * a, id="saves_its_primary"),
+    pytest.param(jnp.sin, id="saves_only_cos"),
     pytest.param(
-      jnp.sin,
-      id="saves_only_cos",
+      lambda a: a * 2,
+      id="saves_nothing",
       marks=pytest.mark.xfail(
         strict=True,
-        reason="the transposed marker of a float32_compute op restores the primary's dtype "
-        "only when the primary is itself a residual: sin's gradient comes back float32",
+        reason="an op linear in its primary saves no residual: its backward part gets the "
+        "cotangent alone (as many inputs as the op, so taken for the op's inputs), and "
+        "nothing there says the primary's dtype: the gradient comes back float32",
       ),
     ),
   ],
@@ -291,7 +293,8 @@ def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_i
 def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals(fun):
   # Differentiated inside the autocast function, the op's backward runs in float32 on the
   # float32 values its forward saved: the gradient is the float32 one, rounded once to
-  # the primary's float16, whether or not the primary itself is saved.
+  # the primary's float16 (torch's gradient of an input has the input's dtype), whether
+  # or not the primary itself is saved: each residual carries the primary's dtype.
   op = jls.autocast_op(fun, rule="float32_compute")
   x, w = rand(0, (16, 32)), rand(1, (32, 64))
 
@@ -304,6 +307,26 @@ def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residua
   _, vjp = jax.vjp(fun, h.astype(jnp.float32))
   (expected,) = vjp(jnp.ones(h.shape, jnp.float32))
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(jnp.float16)))
+
+
+@pytest.mark.parametrize("wrap", ["jit", "scan", "checkpoint"])
+def test_a_float32_compute_ops_residuals_carry_the_primarys_dtype_across_a_region(wrap):
+  # The residual (sin's cos) crosses from the forward part to the backward part through a
+  # jit's outputs, a scan's stacked rows or a rematerialised region: the gradient of the
+  # float16 primary is still float16, the float32 gradient rounded once.
+  op = jls.autocast_op(jnp.sin, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def loss(h):
+    if wrap == "scan":
+      return jax.lax.scan(lambda c, r: (c + jnp.sum(op(r)), None), jnp.float32(0), h)[0]
+    region = jax.jit if wrap == "jit" else jax.checkpoint
+    return region(lambda h: jnp.sum(op(h)))(h)
+
+  h, grad = jls.autocast(lambda x, w: (x @ w, jax.grad(loss)(x @ w)))(x, w)
+  assert h.dtype == grad.dtype == F16
+  expected = jnp.cos(h.astype(jnp.float32)).astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected))
 
 
 def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():

@@ -206,20 +206,29 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # so its entry is alive. Any other equation of a marker is the call transformed by
   # jax.vmap, jvp, partial evaluation or transposition, which its name describes.
   entry = _lookup(eqn.params["jaxpr"])
+  saved_from = None
   if entry is not None:
     outs, _ = _call(entry, [v.x for v in ins], interp.dtype, [v.facts.follows for v in ins])
   else:
-    outs = _transformed(interp, meta, eqn, ins)
+    outs, saved_from = _transformed(interp, meta, eqn, ins)
   lowp = meta.rule == LOWER
   if lowp:  # its outputs are lower-precision results: check_underflow taps them
     outs = interp.tap(eqn, outs, meta.label)
   return [
-    Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
-    for o in outs
+    Val(
+      o,
+      Facts(
+        lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype,
+        saved_from=saved_from if i >= meta.n_out else None,
+      ),
+    )
+    for i, o in enumerate(outs)
   ]
 
 
-def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> list[Any]:
+def _transformed(
+  interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]
+) -> tuple[list[Any], tuple[tuple[int, ...], np.dtype] | None]:
   """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
 
   Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
@@ -229,6 +238,10 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
   (what the op traced on those dtypes computes), the op's inputs (under vmap and jvp)
   first promoted together as its plain call's are, and their tangents with them.
+
+  Returns the outputs and, for the forward part of a ``"float32_compute"`` op under
+  ``grad``, what its residuals (the outputs after the op's) carry to its backward part:
+  the shape and dtype of the op's primary input (:attr:`Facts.saved_from`), else ``None``.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
@@ -240,33 +253,46 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
       tangents = [True] * (len(ins) - meta.n_in)
       xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
     plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
-    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
+    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)], None
   outs = [v.x for v in interp.as_written(eqn, ins)]
   if meta.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
-  if meta.rule == FLOAT32_COMPUTE and meta.primary is not None:
-    # The outputs shaped like the primary input take its dtype. Under vmap the inputs
-    # are the op's, one for one; under jvp or partial evaluation they are not, and the
-    # op's outputs (the first ones) take the dtype of an input of their shape that
-    # autocast lowered (the primal and its tangent). Under jvp the outputs after the op's
-    # are their tangents, which take their primal's dtype; under partial evaluation they
-    # are residuals, left as they are.
-    n_out = len(outs) if _is_jvp(meta, eqn) else meta.n_out
-    if len(ins) == meta.n_in:
-      halves = {tuple(ins[meta.primary].x.shape): ins[meta.primary].x.dtype}
-    else:
-      halves = {
-        tuple(v.x.shape): v.x.dtype
-        for v, var in zip(ins, eqn.invars, strict=True)
-        if _is_lowered(v.x, var)
-      }
-    outs = [
-      cast(o, halves[tuple(o.shape)])
-      if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
-      else o
-      for i, o in enumerate(outs)
-    ]
-  return outs
+  if meta.rule != FLOAT32_COMPUTE or meta.primary is None:
+    return outs, None
+  # The outputs shaped like the primary input take its dtype (torch's cuDNN batch norm),
+  # and so do their tangents and the gradients of the primary (torch's gradient of an
+  # input has the input's dtype).
+  if len(ins) == meta.n_in:
+    # Under vmap, or the forward part under grad: the op's inputs, one for one. Under
+    # grad the outputs after the op's are residuals, left as they are: they carry the
+    # primary's dtype to the backward part, which may not get the primary itself.
+    primary = ins[meta.primary].x
+    saved: tuple[tuple[int, ...], np.dtype] | None = (
+      tuple(primary.shape),
+      np.dtype(primary.dtype),
+    )
+    halves = dict([saved])
+    n_out = meta.n_out
+  else:
+    # Under jvp, or the tangent or the transposed part under grad: every output is an
+    # output of the op or a tangent or gradient, which takes the dtype of its primal: that
+    # of an input of its shape that autocast lowered (the primal, its tangent, a primary
+    # saved as it is), or of the primary a residual was saved from.
+    saved = None
+    halves = {
+      tuple(v.x.shape): np.dtype(v.x.dtype)
+      for v, var in zip(ins, eqn.invars, strict=True)
+      if _is_lowered(v.x, var)
+    }
+    halves.update(v.facts.saved_from for v in ins if v.facts.saved_from is not None)
+    n_out = len(outs)
+  outs = [
+    cast(o, halves[tuple(o.shape)])
+    if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
+    else o
+    for i, o in enumerate(outs)
+  ]
+  return outs, saved
 
 
 def _is_jvp(meta: _Meta, eqn: Any) -> bool:
