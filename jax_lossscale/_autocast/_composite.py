@@ -236,8 +236,12 @@ def _transformed(
   casts give the op's compute dtype whatever the actual dtypes, so it runs on its
   declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
-  (what the op traced on those dtypes computes), the op's inputs (under vmap and jvp)
-  first promoted together as its plain call's are, and their tangents with them.
+  (what the op traced on those dtypes computes), its first inputs first promoted together
+  as the plain call's are, and the others with them: under vmap and in the forward part
+  under grad, the op's inputs; under jvp, the op's inputs then their tangents; in the
+  tangent and the transposed parts under grad, the residuals (values of the forward
+  part, computed in its dtype, or its inputs) then the tangents or cotangents, which take
+  that dtype as torch casts the gradient of an output to the output's dtype.
 
   Returns the outputs and, for the forward part of a ``"float32_compute"`` op under
   ``grad``, what its residuals (the outputs after the op's) carry to its backward part:
@@ -247,11 +251,10 @@ def _transformed(
     off = Interpreter(interp.dtype, {})
     xs = [v.x for v in ins]
     follows = [v.facts.follows for v in ins]
-    if len(ins) == meta.n_in:  # under vmap, the op's inputs: promoted as its plain call's
-      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows)
-    elif _is_jvp(meta, eqn):  # the op's inputs drive the promotion, their tangents follow
-      tangents = [True] * (len(ins) - meta.n_in)
-      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
+    # The first inputs drive the promotion (the op's inputs, or the residuals), the
+    # tangents or cotangents after them follow.
+    tangents = [True] * (len(ins) - meta.n_in)  # none when fewer
+    xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
     plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)], None
   outs = [v.x for v in interp.as_written(eqn, ins)]
@@ -293,22 +296,6 @@ def _transformed(
     for i, o in enumerate(outs)
   ]
   return outs, saved
-
-
-def _is_jvp(meta: _Meta, eqn: Any) -> bool:
-  """Whether ``eqn`` is the marker under ``jvp``: the op's inputs then the tangents of some
-  of them, its outputs then the tangents of some of them (jvp drops the zero ones)."""
-  closed = eqn.params["jaxpr"]
-
-  def then_tangents(avals: Sequence[Any], n: int) -> bool:
-    primals = {(a.shape, a.dtype) for a in avals[:n]}
-    return len(avals) <= 2 * n and all((a.shape, a.dtype) in primals for a in avals[n:])
-
-  return (
-    len(closed.in_avals) > meta.n_in
-    and then_tangents(closed.in_avals, meta.n_in)
-    and then_tangents(closed.out_avals, meta.n_out)
-  )
 
 
 def _is_lowered(x: Any, var: Any) -> bool:
