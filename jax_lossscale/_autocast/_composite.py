@@ -214,16 +214,13 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   lowp = meta.rule == LOWER
   if lowp:  # its outputs are lower-precision results: check_underflow taps them
     outs = interp.tap(eqn, outs, meta.label)
-  return [
-    Val(
-      o,
-      Facts(
-        lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype,
-        saved_from=saved_from if i >= meta.n_out else None,
-      ),
-    )
-    for i, o in enumerate(outs)
+  facts = [
+    Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype) for o in outs
   ]
+  # The outputs after the op's, in a forward part under grad, are residuals: they carry
+  # what its backward part needs to know (saved_from is None for every other marker).
+  facts[meta.n_out :] = [f._replace(saved_from=saved_from) for f in facts[meta.n_out :]]
+  return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
 
 
 def _transformed(
@@ -255,8 +252,8 @@ def _transformed(
     # tangents or cotangents after them follow.
     tangents = [True] * (len(ins) - meta.n_in)  # none when fewer
     xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
-    plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
-    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)], None
+    # Every float input is now in the one dtype: which of them follow no longer matters.
+    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], [Val(x) for x in xs])], None
   outs = [v.x for v in interp.as_written(eqn, ins)]
   if meta.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
