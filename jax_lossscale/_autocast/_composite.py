@@ -262,23 +262,20 @@ def _transformed(
   # The outputs shaped like the primary input take its dtype (torch's cuDNN batch norm),
   # and so do their tangents and the gradients of the primary (torch's gradient of an
   # input has the input's dtype).
+  saved: tuple[tuple[int, ...], np.dtype] | None = None
   if len(ins) == meta.n_in:
     # Under vmap, or the forward part under grad: the op's inputs, one for one. Under
     # grad the outputs after the op's are residuals, left as they are: they carry the
     # primary's dtype to the backward part, which may not get the primary itself.
     primary = ins[meta.primary].x
-    saved: tuple[tuple[int, ...], np.dtype] | None = (
-      tuple(primary.shape),
-      np.dtype(primary.dtype),
-    )
-    halves = dict([saved])
+    shape, dtype = tuple(primary.shape), np.dtype(primary.dtype)
+    saved, halves = (shape, dtype), {shape: dtype}
     n_out = meta.n_out
   else:
     # Under jvp, or the tangent or the transposed part under grad: every output is an
     # output of the op or a tangent or gradient, which takes the dtype of its primal: that
     # of an input of its shape that autocast lowered (the primal, its tangent, a primary
     # saved as it is), or of the primary a residual was saved from.
-    saved = None
     halves = {
       tuple(v.x.shape): np.dtype(v.x.dtype)
       for v, var in zip(ins, eqn.invars, strict=True)
