@@ -277,13 +277,15 @@ def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_i
   "fun",
   [
     pytest.param(lambda a: jnp.tanh(a) * a, id="saves_its_primary"),
+    pytest.param(jnp.sin, id="saves_only_cos"),
     pytest.param(
-      jnp.sin,
-      id="saves_only_cos",
+      lambda a: a * 2,
+      id="saves_nothing",
       marks=pytest.mark.xfail(
         strict=True,
-        reason="the transposed marker of a float32_compute op restores the primary's dtype "
-        "only when the primary is itself a residual: sin's gradient comes back float32",
+        reason="an op linear in its primary saves no residual: its backward part gets the "
+        "cotangent alone (as many inputs as the op, so taken for the op's inputs), and "
+        "nothing there says the primary's dtype: the gradient comes back float32",
       ),
     ),
   ],
@@ -291,7 +293,8 @@ def test_a_float32_compute_op_under_vmap_restores_a_primary_the_model_gives_as_i
 def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residuals(fun):
   # Differentiated inside the autocast function, the op's backward runs in float32 on the
   # float32 values its forward saved: the gradient is the float32 one, rounded once to
-  # the primary's float16, whether or not the primary itself is saved.
+  # the primary's float16 (torch's gradient of an input has the input's dtype), whether
+  # or not the primary itself is saved: each residual carries the primary's dtype.
   op = jls.autocast_op(fun, rule="float32_compute")
   x, w = rand(0, (16, 32)), rand(1, (32, 64))
 
@@ -304,6 +307,26 @@ def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residua
   _, vjp = jax.vjp(fun, h.astype(jnp.float32))
   (expected,) = vjp(jnp.ones(h.shape, jnp.float32))
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(jnp.float16)))
+
+
+@pytest.mark.parametrize("wrap", ["jit", "scan", "checkpoint"])
+def test_a_float32_compute_ops_residuals_carry_the_primarys_dtype_across_a_region(wrap):
+  # The residual (sin's cos) crosses from the forward part to the backward part through a
+  # jit's outputs, a scan's stacked rows or a rematerialised region: the gradient of the
+  # float16 primary is still float16, the float32 gradient rounded once.
+  op = jls.autocast_op(jnp.sin, rule="float32_compute")
+  x, w = rand(0, (16, 32)), rand(1, (32, 64))
+
+  def loss(h):
+    if wrap == "scan":
+      return jax.lax.scan(lambda c, r: (c + jnp.sum(op(r)), None), jnp.float32(0), h)[0]
+    region = jax.jit if wrap == "jit" else jax.checkpoint
+    return region(lambda h: jnp.sum(op(h)))(h)
+
+  h, grad = jls.autocast(lambda x, w: (x @ w, jax.grad(loss)(x @ w)))(x, w)
+  assert h.dtype == grad.dtype == F16
+  expected = jnp.cos(h.astype(jnp.float32)).astype(jnp.float16)
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected))
 
 
 def test_a_float32_compute_op_whose_primary_is_not_an_array_restores_nothing():
@@ -382,12 +405,12 @@ def test_a_promote_op_under_jvp_promotes_on_its_primals_and_a_wider_tangent_foll
   )
 
 
-def test_a_promote_op_under_grad_keeps_each_cotangent_in_its_own_dtype():
-  # Under grad the marker is split: its transposed part takes the float16 residuals and
-  # the cotangent. A float32 cotangent (the weight c) is not cast to the residuals'
-  # float16 before the product. The cotangent of a sum is a constant (it follows): the
-  # product stays in the residuals' float16. (The weighted gradient's own dtype is not
-  # pinned: float32 on jax 0.10, float16, h's, on jax 0.12; see the xfail below.)
+def test_a_promote_op_under_grad_casts_the_cotangent_to_the_ops_dtype_as_torch():
+  # Under grad the marker is split: its transposed part takes the residuals (float16, as
+  # the op's inputs h and s) then the cotangent. As torch casts the gradient of an output
+  # to the output's dtype, a float32 cotangent (the weight c) is cast to the op's float16
+  # before the product, and the gradient is float16 (it was float32: the product was
+  # promoted); the cotangent of a sum too.
   op = jls.autocast_op(lambda a, s: jnp.tanh(a) * s, rule="promote")
   x, w, v, c = rand(0, (4, 3)), rand(1, (3, 5)), rand(2, (3, 5)), rand(3, (4, 5))
 
@@ -398,19 +421,48 @@ def test_a_promote_op_under_grad_keeps_each_cotangent_in_its_own_dtype():
     return weighted, summed
 
   weighted, summed = jls.autocast(f)(x, w, v, c)
-  assert summed.dtype == F16
+  assert weighted.dtype == summed.dtype == F16
   x16 = x.astype(jnp.float16)
   h, s = x16 @ w.astype(jnp.float16), (x16 @ v.astype(jnp.float16))[0]
   d = (1 - jnp.tanh(h) ** 2) * s  # float16, as the residuals
-  np.testing.assert_allclose(
-    np.asarray(weighted, np.float32), np.asarray(d.astype(jnp.float32) * c), rtol=2e-3, atol=2e-3
-  )
   # Both sides round 1 - tanh(h)**2 in float16, in their own order: where tanh(h) is near 1
   # the difference cancels, and the two may differ by a few float16 ulps of the product
   # (measured: 0.2383 against 0.2408 at one element, fresh install of 2026-12-04).
+  expected = d * c.astype(jnp.float16)
+  np.testing.assert_allclose(
+    np.asarray(weighted, np.float32), np.asarray(expected, np.float32), rtol=2e-3, atol=4e-3
+  )
   np.testing.assert_allclose(
     np.asarray(summed, np.float32), np.asarray(d, np.float32), rtol=2e-3, atol=4e-3
   )
+
+
+def test_a_promote_ops_backward_computes_in_the_ops_dtype_as_torch():
+  # The backward part of a "promote" op computes in the op's dtype, the promotion of its
+  # inputs, as its forward did: the first inputs of its transposed part (the residuals)
+  # drive the promotion and the cotangents follow. A one-input op on a float16 h: its
+  # gradient is float16 (the float32 cotangent of the sum is cast, as torch casts the
+  # gradient of its float16 output). h times a float32 s: float32, and the gradient of s
+  # is the float32 one (it was float16: the residual h drove the product alone).
+  double = jls.autocast_op(lambda a: jnp.tanh(a) * 2, rule="promote")
+  scale = jls.autocast_op(lambda a, s: a * s, rule="promote")
+  x, w, s = _whole(0, (4, 3)), _whole(1, (3, 5)), _whole(2, (5,)) / 8
+
+  def f(x, w, s):
+    h = x @ w
+    dh = jax.grad(lambda h: double(h).sum())(h)
+    _, ds = jax.grad(lambda h, s: scale(h, s).sum(), argnums=(0, 1))(h, s)
+    return h, dh, ds
+
+  h, dh, ds = jls.autocast(f)(x, w, s)
+  assert (h.dtype, dh.dtype, ds.dtype) == (F16, F16, F32)
+  _, vjp = jax.vjp(lambda a: jnp.tanh(a) * 2, h)  # JAX's own float16 backward
+  (expected,) = vjp(jnp.ones(h.shape, jnp.float16))
+  np.testing.assert_allclose(
+    np.asarray(dh, np.float32), np.asarray(expected, np.float32), rtol=2e-3, atol=4e-3
+  )
+  # h holds whole numbers (exact in float16): the column sums are exact in float32.
+  np.testing.assert_array_equal(np.asarray(ds), np.asarray(h, np.float32).sum(axis=0))
 
 
 def test_a_float32_compute_ops_gradient_keeps_its_one_float32_residual_shaped_like_the_primary():

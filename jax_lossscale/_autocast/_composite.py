@@ -206,20 +206,26 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
   # so its entry is alive. Any other equation of a marker is the call transformed by
   # jax.vmap, jvp, partial evaluation or transposition, which its name describes.
   entry = _lookup(eqn.params["jaxpr"])
+  saved_from = None
   if entry is not None:
     outs, _ = _call(entry, [v.x for v in ins], interp.dtype, [v.facts.follows for v in ins])
   else:
-    outs = _transformed(interp, meta, eqn, ins)
+    outs, saved_from = _transformed(interp, meta, eqn, ins)
   lowp = meta.rule == LOWER
   if lowp:  # its outputs are lower-precision results: check_underflow taps them
     outs = interp.tap(eqn, outs, meta.label)
-  return [
-    Val(o, Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype))
-    for o in outs
+  facts = [
+    Facts(lowp=lowp and is_eligible(o.dtype) and np.dtype(o.dtype) == interp.dtype) for o in outs
   ]
+  # The outputs after the op's, in a forward part under grad, are residuals: they carry
+  # what its backward part needs to know (saved_from is None for every other marker).
+  facts[meta.n_out :] = [f._replace(saved_from=saved_from) for f in facts[meta.n_out :]]
+  return [Val(o, f) for o, f in zip(outs, facts, strict=True)]
 
 
-def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> list[Any]:
+def _transformed(
+  interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]
+) -> tuple[list[Any], tuple[tuple[int, ...], np.dtype] | None]:
   """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
 
   Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
@@ -227,62 +233,63 @@ def _transformed(interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]) -> 
   casts give the op's compute dtype whatever the actual dtypes, so it runs on its
   declared inputs. With ``"promote"`` the compute dtype is the actual inputs' own: the
   jaxpr is evaluated on them with autocast off, every primitive in its operands' dtypes
-  (what the op traced on those dtypes computes), the op's inputs (under vmap and jvp)
-  first promoted together as its plain call's are, and their tangents with them.
+  (what the op traced on those dtypes computes), its first inputs first promoted together
+  as the plain call's are, and the others with them: under vmap and in the forward part
+  under grad, the op's inputs; under jvp, the op's inputs then their tangents; in the
+  tangent and the transposed parts under grad, the residuals (values of the forward
+  part, computed in its dtype, or its inputs) then the tangents or cotangents, which take
+  that dtype as torch casts the gradient of an output to the output's dtype.
+
+  Returns the outputs and, for the forward part of a ``"float32_compute"`` op under
+  ``grad``, what its residuals (the outputs after the op's) carry to its backward part:
+  the shape and dtype of the op's primary input (:attr:`Facts.saved_from`), else ``None``.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
     xs = [v.x for v in ins]
     follows = [v.facts.follows for v in ins]
-    if len(ins) == meta.n_in:  # under vmap, the op's inputs: promoted as its plain call's
-      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows)
-    elif _is_jvp(meta, eqn):  # the op's inputs drive the promotion, their tangents follow
-      tangents = [True] * (len(ins) - meta.n_in)
-      xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
-    plain = [Val(x, Facts(follows=v.facts.follows)) for x, v in zip(xs, ins, strict=True)]
-    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], plain)]
+    # The first inputs drive the promotion (the op's inputs, or the residuals), the
+    # tangents or cotangents after them follow.
+    tangents = [True] * (len(ins) - meta.n_in)  # none when fewer
+    xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
+    # Every float input is now in the one dtype: which of them follow no longer matters.
+    return [v.x for v in off.eval_closed(eqn.params["jaxpr"], [Val(x) for x in xs])], None
   outs = [v.x for v in interp.as_written(eqn, ins)]
   if meta.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
-  if meta.rule == FLOAT32_COMPUTE and meta.primary is not None:
-    # The outputs shaped like the primary input take its dtype. Under vmap the inputs
-    # are the op's, one for one; under jvp or partial evaluation they are not, and the
-    # op's outputs (the first ones) take the dtype of an input of their shape that
-    # autocast lowered (the primal and its tangent). Under jvp the outputs after the op's
-    # are their tangents, which take their primal's dtype; under partial evaluation they
-    # are residuals, left as they are.
-    n_out = len(outs) if _is_jvp(meta, eqn) else meta.n_out
-    if len(ins) == meta.n_in:
-      halves = {tuple(ins[meta.primary].x.shape): ins[meta.primary].x.dtype}
-    else:
-      halves = {
-        tuple(v.x.shape): v.x.dtype
-        for v, var in zip(ins, eqn.invars, strict=True)
-        if _is_lowered(v.x, var)
-      }
-    outs = [
-      cast(o, halves[tuple(o.shape)])
-      if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
-      else o
-      for i, o in enumerate(outs)
-    ]
-  return outs
-
-
-def _is_jvp(meta: _Meta, eqn: Any) -> bool:
-  """Whether ``eqn`` is the marker under ``jvp``: the op's inputs then the tangents of some
-  of them, its outputs then the tangents of some of them (jvp drops the zero ones)."""
-  closed = eqn.params["jaxpr"]
-
-  def then_tangents(avals: Sequence[Any], n: int) -> bool:
-    primals = {(a.shape, a.dtype) for a in avals[:n]}
-    return len(avals) <= 2 * n and all((a.shape, a.dtype) in primals for a in avals[n:])
-
-  return (
-    len(closed.in_avals) > meta.n_in
-    and then_tangents(closed.in_avals, meta.n_in)
-    and then_tangents(closed.out_avals, meta.n_out)
-  )
+  if meta.rule != FLOAT32_COMPUTE or meta.primary is None:
+    return outs, None
+  # The outputs shaped like the primary input take its dtype (torch's cuDNN batch norm),
+  # and so do their tangents and the gradients of the primary (torch's gradient of an
+  # input has the input's dtype).
+  saved: tuple[tuple[int, ...], np.dtype] | None = None
+  if len(ins) == meta.n_in:
+    # Under vmap, or the forward part under grad: the op's inputs, one for one. Under
+    # grad the outputs after the op's are residuals, left as they are: they carry the
+    # primary's dtype to the backward part, which may not get the primary itself.
+    primary = ins[meta.primary].x
+    shape, dtype = tuple(primary.shape), np.dtype(primary.dtype)
+    saved, halves = (shape, dtype), {shape: dtype}
+    n_out = meta.n_out
+  else:
+    # Under jvp, or the tangent or the transposed part under grad: every output is an
+    # output of the op or a tangent or gradient, which takes the dtype of its primal: that
+    # of an input of its shape that autocast lowered (the primal, its tangent, a primary
+    # saved as it is), or of the primary a residual was saved from.
+    halves = {
+      tuple(v.x.shape): np.dtype(v.x.dtype)
+      for v, var in zip(ins, eqn.invars, strict=True)
+      if _is_lowered(v.x, var)
+    }
+    halves.update(v.facts.saved_from for v in ins if v.facts.saved_from is not None)
+    n_out = len(outs)
+  outs = [
+    cast(o, halves[tuple(o.shape)])
+    if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves
+    else o
+    for i, o in enumerate(outs)
+  ]
+  return outs, saved
 
 
 def _is_lowered(x: Any, var: Any) -> bool:

@@ -62,11 +62,16 @@ class Facts(NamedTuple):
     follows: a constant (a literal, ``zeros_like``, ``full``) or a conversion of a bool or
       integer array: it has no float dtype of its own and takes the dtype of the float
       operands it meets, as torch's ``zeros_like(h)``, masks and Python scalars do.
+    saved_from: a residual that the forward part of a ``"float32_compute"`` composite op
+      saved under ``grad`` (or ``linearize``): the shape and dtype of that op's primary
+      input, which the gradients its backward part gives take (torch's gradient of an
+      input has the input's dtype); ``None`` for any other value.
   """
 
   lowp: bool = False
   input_rank: int | None = None
   follows: bool = False
+  saved_from: tuple[tuple[int, ...], np.dtype] | None = None
 
 
 NO_FACTS = Facts()
