@@ -309,6 +309,33 @@ def test_a_float32_compute_ops_gradient_inside_autocast_uses_its_float32_residua
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(expected.astype(jnp.float16)))
 
 
+@pytest.mark.parametrize(
+  ("fun", "primary_grad"),
+  [
+    pytest.param(lambda a, b: jnp.tanh(a) * a * b, F16, id="saves_its_primary"),
+    # the primary's gradient stays float32 here, as for an op that saves nothing (a
+    # known issue): its residuals cannot say which same-shaped gradient is whose
+    pytest.param(lambda a, b: jnp.sin(a) * b, jnp.float32, id="saves_only_cos"),
+  ],
+)
+def test_a_float32_input_shaped_like_the_primary_keeps_a_float32_gradient(fun, primary_grad):
+  # torch: the gradient of an input has the input's dtype. A float32 b of the float16
+  # primary's shape is not given the primary's dtype by shape.
+  op = jls.autocast_op(fun, rule="float32_compute")
+  x, w, b = rand(0, (16, 32)), rand(1, (32, 64)), rand(2, (16, 64))
+
+  def f(x, w, b):
+    h = x @ w
+    return jax.grad(lambda h, b: jnp.sum(op(h, b)), argnums=(0, 1))(h, b)
+
+  gh, gb = jls.autocast(f)(x, w, b)
+  assert gh.dtype == primary_grad and gb.dtype == jnp.float32
+  h = (x.astype(F16) @ w.astype(F16)).astype(jnp.float32)
+  _, vjp = jax.vjp(fun, h, b)
+  expected_b = vjp(jnp.ones(h.shape, jnp.float32))[1]
+  np.testing.assert_array_equal(np.asarray(gb), np.asarray(expected_b))
+
+
 @pytest.mark.parametrize("wrap", ["jit", "scan", "checkpoint"])
 def test_a_float32_compute_ops_residuals_carry_the_primarys_dtype_across_a_region(wrap):
   # The residual (sin's cos) crosses from the forward part to the backward part through a

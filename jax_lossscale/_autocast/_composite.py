@@ -242,7 +242,8 @@ def _transformed(
 
   Returns the outputs and, for the forward part of a ``"float32_compute"`` op under
   ``grad``, what its residuals (the outputs after the op's) carry to its backward part:
-  the shape and dtype of the op's primary input (:attr:`Facts.saved_from`), else ``None``.
+  the shape and dtype of the op's primary input, or that shape and ``None`` where another
+  input shares it with another dtype (:attr:`Facts.saved_from`), else ``None``.
   """
   if meta.rule == PROMOTE and not interp.as_written_mode:
     off = Interpreter(interp.dtype, {})
@@ -262,14 +263,23 @@ def _transformed(
   # The outputs shaped like the primary input take its dtype (torch's cuDNN batch norm),
   # and so do their tangents and the gradients of the primary (torch's gradient of an
   # input has the input's dtype).
-  saved: tuple[tuple[int, ...], np.dtype] | None = None
+  saved: tuple[tuple[int, ...], np.dtype | None] | None = None
   if len(ins) == meta.n_in:
     # Under vmap, or the forward part under grad: the op's inputs, one for one. Under
     # grad the outputs after the op's are residuals, left as they are: they carry the
-    # primary's dtype to the backward part, which may not get the primary itself.
+    # primary's dtype to the backward part, which may not get the primary itself, unless
+    # another input has the primary's shape and another dtype (a float32 b in
+    # sin(a) * b): the backward part could not tell their gradients apart by shape.
     primary = ins[meta.primary].x
     shape, dtype = tuple(primary.shape), np.dtype(primary.dtype)
-    saved, halves = (shape, dtype), {shape: dtype}
+    clash = any(
+      i != meta.primary
+      and is_eligible(v.x.dtype)
+      and tuple(v.x.shape) == shape
+      and np.dtype(v.x.dtype) != dtype
+      for i, v in enumerate(ins)
+    )
+    saved, halves = (shape, None if clash else dtype), {shape: dtype}
     n_out = meta.n_out
   else:
     # Under jvp, or the tangent or the transposed part under grad: every output is an
@@ -281,8 +291,13 @@ def _transformed(
       for v, var in zip(ins, eqn.invars, strict=True)
       if _is_lowered(v.x, var)
     }
-    halves.update(v.facts.saved_from for v in ins if v.facts.saved_from is not None)
-    n_out = len(outs)
+    saved_facts = [v.facts.saved_from for v in ins if v.facts.saved_from is not None]
+    halves.update((s, d) for s, d in saved_facts if d is not None)
+    # Saved from an op whose primary shares its shape with an input of another dtype:
+    # only the first outputs (the primary's gradient, when the primary comes first, as
+    # in an op's own outputs) take the dtype of a lowered input of their shape.
+    clash = any(d is None for _, d in saved_facts)
+    n_out = meta.n_out if clash else len(outs)
   outs = [
     cast(o, halves[tuple(o.shape)])
     if i < n_out and is_eligible(o.dtype) and tuple(o.shape) in halves

@@ -65,13 +65,15 @@ class Facts(NamedTuple):
     saved_from: a residual that the forward part of a ``"float32_compute"`` composite op
       saved under ``grad`` (or ``linearize``): the shape and dtype of that op's primary
       input, which the gradients its backward part gives take (torch's gradient of an
-      input has the input's dtype); ``None`` for any other value.
+      input has the input's dtype), or that shape and ``None`` where another input of
+      the op has the primary's shape and another dtype (the backward part cannot tell
+      their gradients apart by shape); ``None`` for any other value.
   """
 
   lowp: bool = False
   input_rank: int | None = None
   follows: bool = False
-  saved_from: tuple[tuple[int, ...], np.dtype] | None = None
+  saved_from: tuple[tuple[int, ...], np.dtype | None] | None = None
 
 
 NO_FACTS = Facts()
