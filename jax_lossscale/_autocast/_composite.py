@@ -225,7 +225,7 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
 
 def _transformed(
   interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]
-) -> tuple[list[Any], tuple[tuple[int, ...], np.dtype] | None]:
+) -> tuple[list[Any], tuple[tuple[int, ...], np.dtype | None] | None]:
   """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
 
   Its jaxpr is the transformed declared trace: the rule's casts on the declared dtypes,
