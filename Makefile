@@ -14,7 +14,7 @@ help:
 	@echo "make test-compat - COMPAT=oldest|newest|jax011: the core tests (tests/compat/core.txt) and those of JAX's internals (tests/compat/internals.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
 	@echo "make test-newest - the same tests on the newest jax, flax, optax, equinox, chex, on a Python >= 3.12 (found or built: tools/find_python.sh), in .venv-newest"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU) in .venv-demo (jax-lossscale[demo], no torch), writes $(OUT)/"
-	@echo "make rl-demo     - the training-inference mismatch of RL on a tunix Qwen3 in float32, bfloat16, float16 (CPU, ~2 min) in .venv-rl (google-tunix), writes benchmarks/results/rl-mismatch.* and docs/assets/rl-mismatch.png; then 300 GRPO steps in float32 and float16 + scaler into $(OUT)/ (~10 min in all)"
+	@echo "make rl-demo     - the training-inference mismatch of RL on a tunix Qwen3 in float32, bfloat16, float16 (CPU, ~2 min) in .venv-rl (google-tunix), writes benchmarks/results/rl-mismatch.* and docs/assets/rl-mismatch.png; then 600 GRPO steps in float32 and float16 + scaler into $(OUT)/ (~10 min in all)"
 	@echo "make bench       - step/compile-time benchmark against plain Optax and the peers"
 	@echo "make bench-quick - the ~1M-parameter MLPs and the char-LM transformer (< 3 minutes)"
 	@echo "make gpu-check   - the CUDA comparison tests only (uses the installed python, PYTHONPATH=.)"
@@ -156,7 +156,7 @@ $(RL_STAMP): pyproject.toml
 rl-demo: $(RL_STAMP)
 	$(RL_PY) benchmarks/rl_mismatch.py
 	@mkdir -p $(OUT)
-	$(RL_PY) benchmarks/rl_grpo.py --steps 300 --seeds 0 --dtypes float32 float16 --out $(OUT) --plot $(OUT)/rl-grpo.png
+	$(RL_PY) benchmarks/rl_grpo.py --steps 600 --seeds 0 --dtypes float32 float16 --out $(OUT) --plot $(OUT)/rl-grpo.png
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
