@@ -10,7 +10,7 @@ OUT    ?= out
 .PHONY: help venv test test-compat test-newest demo rl-demo bench bench-quick gpu-check gpu-bench gpu-bench-large gpu-bench-retry gpu-session gpu-plan bench-compile mutate lint docs docs-check docs-serve dist dist-check clean
 
 help:
-	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan"
+	@echo "make test        - create .venv, install jax-lossscale[test], run the whole test suite (CPU); tests/test_gpu_plan.py in .venv-gpu-plan, the tunix tests in .venv-rl"
 	@echo "make test-compat - COMPAT=oldest|newest|jax011: the core tests (tests/compat/core.txt) and those of JAX's internals (tests/compat/internals.txt) in .venv-compat-<set> with that version set (tests/compat/<set>.txt)"
 	@echo "make test-newest - the same tests on the newest jax, flax, optax, equinox, chex, on a Python >= 3.12 (found or built: tools/find_python.sh), in .venv-newest"
 	@echo "make demo        - float16 training demo on scikit-learn's digits (CPU) in .venv-demo (jax-lossscale[demo], no torch), writes $(OUT)/"
@@ -47,6 +47,7 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --ignore=tests/test_gpu_plan.py
 	$(GPU_PLAN_PY) -m pytest -q -p no:cacheprovider tests/test_gpu_plan.py
+	$(RL_PY) -m pytest -q -p no:cacheprovider $(TUNIX_TESTS) -k "tunix or grpo or mismatch"
 
 # The versions pyproject.toml claims, tested: a venv per version set (tests/compat/oldest.txt
 # pins the lower bounds, tests/compat/newest.txt lets pip pick, tests/compat/jax011.txt takes
@@ -147,7 +148,7 @@ RL_STAMP := $(RL_VENV)/.installed
 $(RL_STAMP): pyproject.toml
 	@start=$$(date +%s) && \
 	  $(PYTHON) -m venv $(RL_VENV) && \
-	  $(RL_PY) -m pip install --quiet --no-compile -e . google-tunix==0.1.7 matplotlib && \
+	  $(RL_PY) -m pip install --quiet --no-compile -e . google-tunix==0.1.7 matplotlib "pytest>=8" && \
 	  echo "== $(RL_VENV): jax-lossscale, google-tunix 0.1.7 installed in $$(( $$(date +%s) - start )) s"
 	@touch $(RL_STAMP)
 
@@ -219,7 +220,11 @@ $(GPU_PLAN_STAMP): pyproject.toml
 	$(GPU_PLAN_PY) -m pip install --quiet -e ".[flax,gpu-plan]" "jax-cuda12-plugin==$$($(GPU_PLAN_PY) -c 'import jaxlib; print(jaxlib.__version__)')"
 	touch $(GPU_PLAN_STAMP)
 
-test: $(GPU_PLAN_STAMP)
+test: $(GPU_PLAN_STAMP) $(RL_STAMP)
+
+# The tests of tunix itself (its trainers, GRPO learner, sampler), in .venv-rl with tunix
+# installed; in .venv they skip. About 2 min to install and 2.5 min to run on 2 cores.
+TUNIX_TESTS := tests/test_loop_tunix.py tests/test_rl_grpo.py tests/test_rl_mismatch.py tests/test_loop_you_do_not_own.py
 
 # Writes gpu-plan-h200.{md,json} and gpu-plan-v100.{md,json} to $(BENCH_OUT) (~10 min on 2 cores).
 gpu-plan: $(GPU_PLAN_STAMP)
