@@ -55,6 +55,10 @@ from jax_lossscale._typing import ScaleSource
 #: ``max_retries``' default: three halvings of the scale (a factor of 8).
 DEFAULT_MAX_RETRIES = 3
 
+#: Up to this many retries, those after the first are a loop of fixed trip count of
+#: ``lax.cond``s (a CUDA graph can hold it: see the guide); more are a ``lax.while_loop``.
+UNROLLED_RETRIES = 16
+
 
 class RetriedGrads(NamedTuple):
   """What the function made by :func:`retry_on_overflow` returns, beside the new state.
@@ -88,6 +92,11 @@ def retry_loop(
 ) -> tuple[DynamicScaleState, Any, jax.Array]:
   """Runs ``attempt`` at ``scale_state``, then again after each backoff, while it overflows.
 
+  The first attempt is unconditional; the retries are one ``lax.cond`` taken only when it
+  overflowed. Inside it, up to :data:`UNROLLED_RETRIES` retries are a loop of fixed trip
+  count whose body is a ``lax.cond`` per retry (XLA:GPU can run both in a CUDA graph with
+  conditional nodes, whatever the model's own loops); more are a ``lax.while_loop``.
+
   Args:
     attempt: maps a scale state to ``(result, finite)``: the batch's
       gradients (any pytree, same structure and dtypes at every scale) and
@@ -105,7 +114,7 @@ def retry_loop(
   if max_retries == 0:
     return scale_state, result, retries
 
-  def retry(carry):
+  def needed(carry):
     retries, state, _, finite = carry
     backed_off = update_scale(state, jnp.asarray(False))
     return (~finite) & (retries < max_retries) & (backed_off.scale != state.scale)
@@ -116,9 +125,18 @@ def retry_loop(
     result, finite = attempt(state)
     return retries + 1, state, result, finite
 
-  retries, state, result, _ = jax.lax.while_loop(
-    retry, again, (retries, scale_state, result, finite)
-  )
+  def keep(carry):
+    return carry
+
+  def retry_all(carry):
+    carry = again(carry)  # the cond around this runs it only when a retry is needed
+    if max_retries <= UNROLLED_RETRIES:
+      one = lambda _, c: jax.lax.cond(needed(c), again, keep, c)
+      return jax.lax.fori_loop(0, max_retries - 1, one, carry)
+    return jax.lax.while_loop(needed, again, carry)
+
+  carry = (retries, scale_state, result, finite)
+  retries, state, result, _ = jax.lax.cond(needed(carry), retry_all, keep, carry)
   return state, result, retries
 
 
