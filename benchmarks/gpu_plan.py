@@ -490,7 +490,9 @@ _THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
 _THUNK_META = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
 
 
-def host_read_predicates(thunks: str, names: dict[int, str] | None = None, hlo: str = "") -> list[str]:
+def host_read_predicates(
+  thunks: str, names: dict[int, str] | None = None, hlo: str = ""
+) -> list[str]:
   """The ``kWhile``/``kConditional`` thunks of a thunk sequence dump outside every
   ``kCommandBuffer`` (nesting read from the indentation): the host copies their predicate
   back and waits for it (XLA's ``WhileThunk::ExecuteOnStream``: ``Memcpy`` then
@@ -585,19 +587,15 @@ def compile_plan(
     if run_file:
       with open(os.path.join(out, run_file[0])) as f:
         thunks_run = f.read()
-    names: dict[int, str] = {}
-    for n in names_of(out, "thunk_metadata.txt"):
+    thunk_names: dict[int, str] = {}
+    for n in [n for n in names if n.endswith("thunk_metadata.txt")]:
       with open(os.path.join(out, n)) as f:
-        names = {int(i): a for a, i in _THUNK_META.findall(f.read())}
+        thunk_names = {int(i): a for a, i in _THUNK_META.findall(f.read())}
   m = compiled.memory_analysis()
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
   memory = {k: int(getattr(m, k)) for k in fields + ("temp_size_in_bytes",)}
   kernels, host = _kernels(hlo)
-  return Plan(TARGETS[target], hlo, thunks, kernels, memory, host, thunks_run, names)
-
-
-def names_of(directory: str, suffix: str) -> list[str]:
-  return [n for n in os.listdir(directory) if n.endswith(suffix)]
+  return Plan(TARGETS[target], hlo, thunks, kernels, memory, host, thunks_run, thunk_names)
 
 
 @contextlib.contextmanager

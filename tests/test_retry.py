@@ -128,10 +128,16 @@ def test_retries_run_out_alike_unrolled_or_in_a_while_loop(max_retries):
   opt_state, out = jax.jit(jls.retry_on_overflow(linear_loss, tx.init(w), max_retries=max_retries))(
     w, c
   )
-  # Every attempt, from 2**40 down to 2**(40 - max_retries), overflows (>= 16384).
+  retry = jls.retry_on_overflow(linear_loss, tx.init(w), max_retries=max_retries)
+  assert ("while" in str(jax.make_jaxpr(retry)(w, c))) == (max_retries > UNROLLED)
+  # Every attempt, from 2**40 down to 2**(40 - max_retries), overflows (>= 16384); the state
+  # is advanced past those before the last, whose gradients the update then skips.
   assert int(out.retries) == max_retries
-  scale = 2.0 ** (40 - max_retries - 1)
-  assert counters(opt_state) == (scale, 0, max_retries + 1, max_retries + 1)
+  assert counters(opt_state) == (2.0 ** (40 - max_retries), 0, max_retries, max_retries)
+  assert not np.isfinite(np.asarray(out.grads)).all()
+  updates, opt_state = tx.update(out.grads, opt_state, w)
+  assert counters(opt_state) == (2.0 ** (39 - max_retries), 0, max_retries + 1, max_retries + 1)
+  assert_bits_equal(optax.apply_updates(w, updates), w)
 
 
 def mlp_loss(params, x, y):

@@ -3,8 +3,9 @@
 torch decides on the host whether a step overflowed, so an overflowing batch
 can only be skipped (apex #114 asked for a retry; it was never adopted). Here
 the decision is a device value, so the same jitted step can recompute the
-batch's gradients at the lower scale: a ``lax.while_loop`` whose body runs only
-after an overflow, up to ``max_retries`` times.
+batch's gradients at the lower scale: a ``lax.cond`` whose branch runs only
+after an overflow, up to ``max_retries`` times (inside it a loop of fixed trip
+count of conds, or a ``lax.while_loop`` above :data:`UNROLLED_RETRIES`).
 
 Every attempt is one step of the torch rule: an overflowing attempt backs the
 scale off and counts as a skipped step (``skipped_steps``,
@@ -15,11 +16,17 @@ changed the scale (not while ``hysteresis`` still tolerates the overflow, not
 at ``min_scale``, never for a static scaler): at the same scale a pure
 function gives the same overflowing gradients again.
 
-The first attempt is computed outside the loop, so a step that does not
-overflow is the plain step plus the loop's test: a second finiteness check of
+The first attempt is computed outside the cond, so a step that does not
+overflow is the plain step plus the cond's test: a second finiteness check of
 the gradients (the optimizer's ``update`` checks them again) and a barrier
-between the backward pass and the update (on a GPU, the host reads the test:
-see the guide). ``max_retries=0`` builds no loop at all.
+between the backward pass and the update. On a GPU, XLA copies the test to
+the host and waits for it, unless the step runs as a CUDA graph with
+conditional nodes: that takes XLA options (``xla_gpu_enable_command_buffer``
+with ``WHILE`` and ``CONDITIONAL``, ``xla_gpu_command_buffer_unroll_loops``)
+and CUDA >= 12.3; the guide's "A step the host does not wait on" says which
+and why the retries are not a ``lax.while_loop`` (XLA keeps a while loop of
+unknown trip count around a scanned model out of CUDA graphs).
+``max_retries=0`` builds no cond at all.
 
 Checked by ``tests/test_retry.py``.
 """
@@ -207,8 +214,8 @@ def retry_on_overflow(
   The returned function computes the gradients of ``scale_loss(fun(...),
   state)``, like ``jax.grad``. If any is inf/NaN it backs the scale off by the
   torch rule and computes the same batch's gradients again at the new scale,
-  up to ``max_retries`` times, inside the same jitted step (a
-  ``lax.while_loop`` that runs only after an overflow; no host control flow).
+  up to ``max_retries`` times, inside the same jitted step (a ``lax.cond``
+  whose branch runs only after an overflow; no host control flow).
   It returns ``state`` with its scaler advanced past the overflowing attempts,
   and the last attempt's gradients, which the loss scaler's ``update`` then
   applies once (or skips, if the last retry overflowed too).
@@ -219,6 +226,13 @@ def retry_on_overflow(
   while ``hysteresis`` tolerates the overflow, nor at ``min_scale``, nor for
   a static scaler). ``max_retries=0`` is :func:`scale_loss` and ``jax.grad``,
   bit for bit.
+
+  On a GPU, XLA reads the cond's predicate on the host (one wait a step)
+  unless the step is compiled with XLA's CUDA graph options for ``while``
+  and ``conditional`` (CUDA >= 12.3), which a library cannot set: pass them
+  to ``jax.jit(...).lower(...).compile(compiler_options=...)`` or in
+  ``XLA_FLAGS``, as the retry guide shows ("A step the host does not wait
+  on").
 
   Inside :func:`jax_lossscale.multi_steps` (the scaler inside the
   accumulator), the gradients accumulated so far are rescaled to the new scale
