@@ -342,6 +342,19 @@ class Plan:
   kernels: list[Kernel]
   memory: dict[str, int]
   host_round_trips: list[str]
+  thunks_run: str = ""  # the thunk sequence after XLA's thunk passes (command buffers)
+  thunk_names: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> HLO name
+
+  @property
+  def host_predicates(self) -> list[str]:
+    """The ``while`` and ``conditional`` thunks whose predicate the host reads.
+
+    Those of the thunk sequence that runs (after XLA's thunk passes) outside any command
+    buffer: inside one, a ``while`` or ``conditional`` is a CUDA graph conditional node,
+    its predicate read on the device (``--xla_gpu_enable_command_buffer`` with ``WHILE``,
+    ``CONDITIONAL`` and every command their bodies need, on CUDA >= 12.3).
+    """
+    return host_read_predicates(self.thunks_run or self.thunks, self.thunk_names, self.hlo)
 
   @property
   def temp_bytes(self) -> int:
@@ -412,12 +425,21 @@ def _kernels(text: str) -> tuple[list[Kernel], list[str]]:
         continue
       if ins.opcode == "conditional":
         host.append(f"{ins.name}: conditional (its branch index read by the host)")
+        # Priced as its cheapest branch (fewest flops, then bytes): the case of
+        # jls.retry_on_overflow's conditionals when nothing overflows.
+        branches = []
         for c in (
           _called(ins.attrs, "branch_computations")
           + _called(ins.attrs, "true_computation")
           + _called(ins.attrs, "false_computation")
         ):
+          before = len(kernels)
           walk(c, count)
+          branches.append(kernels[before:])
+          del kernels[before:]
+        if branches:
+          cost = lambda ks: (sum(k.flops * k.count for k in ks), sum(k.bytes * k.count for k in ks))
+          kernels.extend(min(branches, key=cost))
         continue
       if ins.opcode == "call":
         for c in _called(ins.attrs, "to_apply"):
@@ -462,6 +484,50 @@ def _kernels(text: str) -> tuple[list[Kernel], list[str]]:
   return kernels, host
 
 
+_THUNK = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
+_THUNK_META = re.compile(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)')
+
+
+def host_read_predicates(
+  thunks: str, names: dict[int, str] | None = None, hlo: str = ""
+) -> list[str]:
+  """The ``kWhile``/``kConditional`` thunks of a thunk sequence dump outside every
+  ``kCommandBuffer`` (nesting read from the indentation): the host copies their predicate
+  back and waits for it (XLA's ``WhileThunk::ExecuteOnStream``: ``Memcpy`` then
+  ``BlockHostUntilDone``). A ``while`` with a known trip count is left out (the thunk runs
+  its body that many times without reading the predicate) when ``names`` (thunk id -> HLO
+  instruction, from the dump's ``thunk_metadata``) and ``hlo`` say so."""
+  known = set()
+  if hlo:
+    comps, _ = parse_hlo(hlo)
+    known = {
+      i.name
+      for instrs in comps.values()
+      for i in instrs
+      if i.opcode == "while" and "known_trip_count" in i.attrs
+    }
+  found: list[str] = []
+  stack: list[tuple[int, str]] = []
+  for line in thunks.splitlines():
+    m = _THUNK.match(line)
+    if m is None:
+      continue
+    indent, kind = len(m.group(1)), m.group(2)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    stack.append((indent, kind))
+    if kind not in ("kWhile", "kConditional") or any(k == "kCommandBuffer" for _, k in stack):
+      continue
+    thunk_id = int(line.split(":")[0])
+    name = (names or {}).get(thunk_id, "")
+    if kind == "kWhile" and name in known:
+      continue
+    found.append(f"{thunk_id:03d}: {kind} {name}".rstrip())
+  return found
+
+
 def _contracting(ins: Instr, shapes: dict[str, str]) -> int:
   m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
   lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
@@ -477,6 +543,7 @@ def compile_plan(
   *,
   donate_argnums: tuple[int, ...] = (0,),
   dump_dir: str | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> Plan:
   """Compiles ``step(*args)`` for ``target`` and reads XLA:GPU's plan back.
 
@@ -486,6 +553,8 @@ def compile_plan(
     target: ``"h200"`` or ``"v100"`` (:data:`TARGETS`).
     donate_argnums: the arguments the step donates (its state, as a training loop would).
     dump_dir: where XLA writes its dump (a temporary directory, removed, by default).
+    compiler_options: XLA options for this program (``--xla_...`` flags without the
+      dashes: ``{"xla_gpu_enable_command_buffer": "FUSION,WHILE,CONDITIONAL"}``).
 
   Returns:
     The :class:`Plan`.
@@ -499,6 +568,7 @@ def compile_plan(
       "xla_dump_hlo_as_text": True,
       "xla_dump_hlo_pass_re": "",
       "xla_gpu_dump_llvmir": False,
+      **(compiler_options or {}),
     }
     traced = jax.jit(step, donate_argnums=donate_argnums).trace(*placed)
     compiled = traced.lower().compile(compiler_options=options)
@@ -511,11 +581,21 @@ def compile_plan(
       hlo = f.read()
     with open(os.path.join(out, thunk_file[0])) as f:
       thunks = f.read()
+    # Written only when a thunk pass (the command buffer conversion) changed the sequence.
+    run_file = [n for n in names if n.endswith("thunk_sequence_after_thunk_passes.txt")]
+    thunks_run = thunks
+    if run_file:
+      with open(os.path.join(out, run_file[0])) as f:
+        thunks_run = f.read()
+    thunk_names: dict[int, str] = {}
+    for n in [n for n in names if n.endswith("thunk_metadata.txt")]:
+      with open(os.path.join(out, n)) as f:
+        thunk_names = {int(i): a for a, i in _THUNK_META.findall(f.read())}
   m = compiled.memory_analysis()
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
   memory = {k: int(getattr(m, k)) for k in fields + ("temp_size_in_bytes",)}
   kernels, host = _kernels(hlo)
-  return Plan(TARGETS[target], hlo, thunks, kernels, memory, host)
+  return Plan(TARGETS[target], hlo, thunks, kernels, memory, host, thunks_run, thunk_names)
 
 
 @contextlib.contextmanager

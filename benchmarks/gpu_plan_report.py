@@ -97,7 +97,9 @@ def _retry_variant(cfg, attention: str):
   return ("float16, jls.retry_on_overflow + jls.dynamic_loss_scale", make)
 
 
-def compile_variant(name: str, cfg, target: str, attention: str) -> tuple[gpu_plan.Plan, str]:
+def compile_variant(
+  name: str, cfg, target: str, attention: str, compiler_options: dict[str, Any] | None = None
+) -> tuple[gpu_plan.Plan, str]:
   autocast_attention = None if attention == "cudnn" else attention
   specs = {
     **bench_large._jax_steps(cfg, attention),
@@ -108,7 +110,8 @@ def compile_variant(name: str, cfg, target: str, attention: str) -> tuple[gpu_pl
   params = jax.eval_shape(lambda: bench_gpt.init_params(cfg))
   x, y = jax.eval_shape(lambda: bench_gpt.make_batch(cfg))
   with jax.numpy_dtype_promotion("standard"), gpu_plan.cudnn_answered(target):
-    return gpu_plan.compile_plan(step, (jax.eval_shape(init, params), x, y), target), attention
+    args = (jax.eval_shape(init, params), x, y)
+    return gpu_plan.compile_plan(step, args, target, compiler_options=compiler_options), attention
 
 
 def run(target: str, cfg, variants: list[str]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale._scaler import _retry as jls_retry
 
 import_optional("jax_plugins.xla_cuda12")
 
@@ -248,23 +249,76 @@ def test_the_round_trip_detector_sees_each_kind():
   kinds = " ".join(p.host_round_trips)
   assert "while without a known trip count" in kinds
   assert "conditional" in kinds
+  # The thunks that run: both outside any CUDA graph, both read by the host; a scan (a
+  # while of known trip count) is not (its thunk runs the body n times, reading nothing).
+  assert [t.split()[1] for t in p.host_predicates] == ["kWhile", "kConditional"]
+  scan = lambda x: jax.lax.scan(lambda c, _: (c @ c, None), x, None, length=4)[0]
+  assert gpu_plan.compile_plan(scan, (x,), donate_argnums=()).host_predicates == []
 
 
-def test_retry_on_overflow_waits_for_the_host():
-  """The retry's loop is a while of unknown trip count: the host reads its predicate."""
+#: The compile options of the retry guide ("A step the host does not wait on"): every command
+#: type this XLA puts in CUDA graphs by default, with WHILE and CONDITIONAL (conditional
+#: nodes), and the loops of known trip count unrolled into the graph (a scan over layers
+#: slices its weights with dynamic-slice fusions, which a graph holds only unrolled).
+GRAPH_OPTIONS = {
+  "xla_gpu_enable_command_buffer": (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+  ),
+  "xla_gpu_command_buffer_unroll_loops": True,
+}
+
+
+def _retry_plan(compiler_options=None, *, scanned=False, max_retries=3):
+  """A small float16 step with jls.retry_on_overflow (``scanned``: two layers in a lax.scan)."""
   tx = jls.dynamic_loss_scale(optax.sgd(0.1))
-  p0 = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+  p0 = {"w": jax.ShapeDtypeStruct((2, 64, 64) if scanned else (64, 64), jnp.float32)}
+
+  def loss(p, x):
+    if scanned:
+      layer = lambda h, w: (jnp.tanh(h @ w.astype(jnp.float16)), None)
+      h, _ = jax.lax.scan(layer, x, p["w"])
+    else:
+      h = x @ p["w"].astype(jnp.float16)
+    return jnp.sum(h.astype(jnp.float32))
 
   def step(state, x):
     params, opt_state = state
-    loss = lambda p: jnp.sum((x @ p["w"].astype(jnp.float16)).astype(jnp.float32))
-    opt_state, out = jls.retry_on_overflow(loss, opt_state)(params)
+    opt_state, out = jls.retry_on_overflow(loss, opt_state, max_retries=max_retries)(params, x)
     updates, opt_state = tx.update(out.grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   state = (p0, jax.eval_shape(tx.init, p0))
-  p = gpu_plan.compile_plan(step, (state, jax.ShapeDtypeStruct((8, 64), jnp.float16)))
-  assert any("while without a known trip count" in h for h in p.host_round_trips)
+  x = jax.ShapeDtypeStruct((8, 64), jnp.float16)
+  return gpu_plan.compile_plan(step, (state, x), compiler_options=compiler_options)
+
+
+def test_retry_on_overflow_as_compiled_waits_for_the_host_once():
+  """By default XLA:GPU runs the retry's cond as a thunk whose branch index the host reads:
+  one round trip a step (the conds inside it run only after an overflow)."""
+  p = _retry_plan()
+  assert not any("while without a known trip count" in h for h in p.host_round_trips)
+  outer = [t for t in p.host_predicates if "kConditional" in t]
+  assert outer and all("kWhile" not in t for t in p.host_predicates)
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["dense", "scan-over-layers"])
+def test_retry_on_overflow_in_a_cuda_graph_leaves_the_host_nothing_to_read(scanned):
+  """With the guide's options the whole step is one CUDA graph: no while or conditional
+  thunk outside it, so the host never waits on a predicate (it fails if one comes back)."""
+  p = _retry_plan(GRAPH_OPTIONS, scanned=scanned)
+  assert p.host_predicates == []
+  assert "kCommandBuffer" in p.thunks_run
+
+
+def test_a_retry_while_loop_around_a_scan_stays_on_the_host():
+  """The control: past UNROLLED_RETRIES the retries are a while loop of unknown trip count,
+  and XLA keeps such a loop out of a CUDA graph when its body holds a loop-dependent
+  dynamic-slice fusion (a scan over layers): its predicate is read by the host again."""
+  max_retries = jls_retry.UNROLLED_RETRIES + 1
+  dense = _retry_plan(GRAPH_OPTIONS, max_retries=max_retries)
+  assert dense.host_predicates == []
+  scanned = _retry_plan(GRAPH_OPTIONS, scanned=True, max_retries=max_retries)
+  assert [t for t in scanned.host_predicates if "kConditional" in t]
 
 
 def _fmha(p):

@@ -25,6 +25,7 @@ import pytest
 
 import jax_lossscale as jls
 from jax_lossscale import flax as jls_flax
+from jax_lossscale._scaler import _retry as jls_retry
 
 F16 = jnp.float16
 _UINT = {2: np.uint16, 4: np.uint32}
@@ -78,6 +79,9 @@ def counters(tree):
 
 # A float16 loss whose backward overflows while scale * c >= 65520: with c = 4 at
 # 2**16 the gradient is inf at 65536, 32768 and 16384 and finite (32768) at 8192.
+UNROLLED = jls_retry.UNROLLED_RETRIES
+
+
 def linear_loss(w, c):
   return jnp.sum(w.astype(F16) * c.astype(F16))
 
@@ -90,6 +94,7 @@ def linear_loss(w, c):
     (2, 2, False, 8192.0, 3),
     (3, 3, True, 8192.0, 3),  # the third retry, at 8192, is finite
     (5, 3, True, 8192.0, 3),  # no retry after a finite attempt
+    (UNROLLED + 4, 3, True, 8192.0, 3),  # the same past the unrolled retries (a while loop)
   ],
 )
 def test_each_attempt_is_one_step_of_the_torch_rule(
@@ -113,6 +118,26 @@ def test_each_attempt_is_one_step_of_the_torch_rule(
     np.testing.assert_array_equal(new_w, w - 4.0)  # the batch, applied once
   else:
     assert_bits_equal(new_w, w)
+
+
+@pytest.mark.parametrize("max_retries", [UNROLLED - 1, UNROLLED, UNROLLED + 1, UNROLLED + 4])
+def test_retries_run_out_alike_unrolled_or_in_a_while_loop(max_retries):
+  """Up to UNROLLED retries are fixed-trip conds, more a while loop: both stop at max_retries."""
+  tx = jls.dynamic_loss_scale(optax.sgd(1.0), init_scale=2.0**40)
+  w, c = jnp.ones(2), jnp.full(2, 4.0)
+  opt_state, out = jax.jit(jls.retry_on_overflow(linear_loss, tx.init(w), max_retries=max_retries))(
+    w, c
+  )
+  retry = jls.retry_on_overflow(linear_loss, tx.init(w), max_retries=max_retries)
+  assert ("while" in str(jax.make_jaxpr(retry)(w, c))) == (max_retries > UNROLLED)
+  # Every attempt, from 2**40 down to 2**(40 - max_retries), overflows (>= 16384); the state
+  # is advanced past those before the last, whose gradients the update then skips.
+  assert int(out.retries) == max_retries
+  assert counters(opt_state) == (2.0 ** (40 - max_retries), 0, max_retries, max_retries)
+  assert not np.isfinite(np.asarray(out.grads)).all()
+  updates, opt_state = tx.update(out.grads, opt_state, w)
+  assert counters(opt_state) == (2.0 ** (39 - max_retries), 0, max_retries + 1, max_retries + 1)
+  assert_bits_equal(optax.apply_updates(w, updates), w)
 
 
 def mlp_loss(params, x, y):
@@ -230,12 +255,12 @@ def test_max_retries_zero_builds_no_loop_and_gives_jax_grad_bit_for_bit():
   x, y = next(storm())
   retry = jls.retry_on_overflow(mlp_loss, opt_state, max_retries=0)
   jaxpr = jax.make_jaxpr(retry)(params, x, y)
-  assert "while" not in str(jaxpr)
+  assert "while" not in str(jaxpr) and "cond" not in str(jaxpr) and "scan" not in str(jaxpr)
   new_state, out = retry(params, x, y)
   ref = jax.grad(lambda p: jls.scale_loss(mlp_loss(p, x, y), opt_state))(params)
   assert_bits_equal(out.grads, ref)
   assert_bits_equal(new_state, opt_state)
-  assert "while" in str(jax.make_jaxpr(jls.retry_on_overflow(mlp_loss, opt_state))(params, x, y))
+  assert "cond" in str(jax.make_jaxpr(jls.retry_on_overflow(mlp_loss, opt_state))(params, x, y))
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@
 the optimizer state. A linked :class:`LossScaledModel` reads the scale from the
 optimizer's variable instead; :func:`retry_value_and_grad` is ``nnx.value_and_grad`` for
 it, with the same retry: an overflowing batch (a rollout, in RL) is recomputed at the
-backed-off scale inside the step (``retry_loop``: a ``lax.while_loop`` that runs only
+backed-off scale inside the step (``retry_loop``: a ``lax.cond`` whose branch runs only
 after an overflow) instead of being thrown away.
 """
 

@@ -3,8 +3,9 @@
 torch decides on the host whether a step overflowed, so an overflowing batch
 can only be skipped (apex #114 asked for a retry; it was never adopted). Here
 the decision is a device value, so the same jitted step can recompute the
-batch's gradients at the lower scale: a ``lax.while_loop`` whose body runs only
-after an overflow, up to ``max_retries`` times.
+batch's gradients at the lower scale: a ``lax.cond`` whose branch runs only
+after an overflow, up to ``max_retries`` times (inside it a loop of fixed trip
+count of conds, or a ``lax.while_loop`` above :data:`UNROLLED_RETRIES`).
 
 Every attempt is one step of the torch rule: an overflowing attempt backs the
 scale off and counts as a skipped step (``skipped_steps``,
@@ -15,11 +16,17 @@ changed the scale (not while ``hysteresis`` still tolerates the overflow, not
 at ``min_scale``, never for a static scaler): at the same scale a pure
 function gives the same overflowing gradients again.
 
-The first attempt is computed outside the loop, so a step that does not
-overflow is the plain step plus the loop's test: a second finiteness check of
+The first attempt is computed outside the cond, so a step that does not
+overflow is the plain step plus the cond's test: a second finiteness check of
 the gradients (the optimizer's ``update`` checks them again) and a barrier
-between the backward pass and the update (on a GPU, the host reads the test:
-see the guide). ``max_retries=0`` builds no loop at all.
+between the backward pass and the update. On a GPU, XLA copies the test to
+the host and waits for it, unless the step runs as a CUDA graph with
+conditional nodes: that takes XLA options (``xla_gpu_enable_command_buffer``
+with ``WHILE`` and ``CONDITIONAL``, ``xla_gpu_command_buffer_unroll_loops``)
+and CUDA >= 12.3; the guide's "A step the host does not wait on" says which
+and why the retries are not a ``lax.while_loop`` (XLA keeps a while loop of
+unknown trip count around a scanned model out of CUDA graphs).
+``max_retries=0`` builds no cond at all.
 
 Checked by ``tests/test_retry.py``.
 """
@@ -55,6 +62,10 @@ from jax_lossscale._typing import ScaleSource
 #: ``max_retries``' default: three halvings of the scale (a factor of 8).
 DEFAULT_MAX_RETRIES = 3
 
+#: Up to this many retries, those after the first are a loop of fixed trip count of
+#: ``lax.cond``s (a CUDA graph can hold it: see the guide); more are a ``lax.while_loop``.
+UNROLLED_RETRIES = 16
+
 
 class RetriedGrads(NamedTuple):
   """What the function made by :func:`retry_on_overflow` returns, beside the new state.
@@ -88,6 +99,11 @@ def retry_loop(
 ) -> tuple[DynamicScaleState, Any, jax.Array]:
   """Runs ``attempt`` at ``scale_state``, then again after each backoff, while it overflows.
 
+  The first attempt is unconditional; the retries are one ``lax.cond`` taken only when it
+  overflowed. Inside it, up to :data:`UNROLLED_RETRIES` retries are a loop of fixed trip
+  count whose body is a ``lax.cond`` per retry (XLA:GPU can run both in a CUDA graph with
+  conditional nodes, whatever the model's own loops); more are a ``lax.while_loop``.
+
   Args:
     attempt: maps a scale state to ``(result, finite)``: the batch's
       gradients (any pytree, same structure and dtypes at every scale) and
@@ -105,7 +121,7 @@ def retry_loop(
   if max_retries == 0:
     return scale_state, result, retries
 
-  def retry(carry):
+  def needed(carry):
     retries, state, _, finite = carry
     backed_off = update_scale(state, jnp.asarray(False))
     return (~finite) & (retries < max_retries) & (backed_off.scale != state.scale)
@@ -116,9 +132,18 @@ def retry_loop(
     result, finite = attempt(state)
     return retries + 1, state, result, finite
 
-  retries, state, result, _ = jax.lax.while_loop(
-    retry, again, (retries, scale_state, result, finite)
-  )
+  def keep(carry):
+    return carry
+
+  def retry_all(carry):
+    carry = again(carry)  # the cond around this runs it only when a retry is needed
+    if max_retries <= UNROLLED_RETRIES:
+      one = lambda _, c: jax.lax.cond(needed(c), again, keep, c)
+      return jax.lax.fori_loop(0, max_retries - 1, one, carry)
+    return jax.lax.while_loop(needed, again, carry)
+
+  carry = (retries, scale_state, result, finite)
+  retries, state, result, _ = jax.lax.cond(needed(carry), retry_all, keep, carry)
   return state, result, retries
 
 
@@ -189,8 +214,8 @@ def retry_on_overflow(
   The returned function computes the gradients of ``scale_loss(fun(...),
   state)``, like ``jax.grad``. If any is inf/NaN it backs the scale off by the
   torch rule and computes the same batch's gradients again at the new scale,
-  up to ``max_retries`` times, inside the same jitted step (a
-  ``lax.while_loop`` that runs only after an overflow; no host control flow).
+  up to ``max_retries`` times, inside the same jitted step (a ``lax.cond``
+  whose branch runs only after an overflow; no host control flow).
   It returns ``state`` with its scaler advanced past the overflowing attempts,
   and the last attempt's gradients, which the loss scaler's ``update`` then
   applies once (or skips, if the last retry overflowed too).
@@ -201,6 +226,13 @@ def retry_on_overflow(
   while ``hysteresis`` tolerates the overflow, nor at ``min_scale``, nor for
   a static scaler). ``max_retries=0`` is :func:`scale_loss` and ``jax.grad``,
   bit for bit.
+
+  On a GPU, XLA reads the cond's predicate on the host (one wait a step)
+  unless the step is compiled with XLA's CUDA graph options for ``while``
+  and ``conditional`` (CUDA >= 12.3), which a library cannot set: pass them
+  to ``jax.jit(...).lower(...).compile(compiler_options=...)`` or in
+  ``XLA_FLAGS``, as the retry guide shows ("A step the host does not wait
+  on").
 
   Inside :func:`jax_lossscale.multi_steps` (the scaler inside the
   accumulator), the gradients accumulated so far are rescaled to the new scale
