@@ -338,3 +338,61 @@ class StandInSampler:
   def generate(self, prompt, steps):
     """Greedy continuation of ``prompt`` (``(B, L)`` int32) by ``steps`` tokens."""
     return self._generate(self._state, prompt, steps)
+
+
+def tunix_toy_grpo(init_scale: float, *, colocated: bool = True, num_iterations: int = 1):
+  """tunix's ``RLCluster`` and ``GRPOLearner`` on tunix's toy transformer (float32), the actor
+  optimised by ``dynamic_loss_scale(sgd)`` at ``init_scale``, 4 steps of 2 prompts: ``(cluster,
+  learner, data)``. ``colocated=False`` puts the rollout on a mesh of its own (a second device).
+  Call it with standard promotion (tunix is not strict-clean); needs google-tunix and grain."""
+  import grain.python as grain
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+  from tunix.tests import test_common
+
+  class Prompts(grain.RandomAccessDataSource):
+    data = ["input string", "hello world", "My name", "hello there"] * 4
+
+    def __getitem__(self, i):
+      return self.data[i]
+
+    def __len__(self):
+      return len(self.data)
+
+  import jax_lossscale as jls
+
+  vocab = test_common.MockVocab()
+  config = test_common.ModelConfig(vocab_size=vocab.GetPieceSize())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  if not colocated:
+    mesh_of_its_own = np.array(jax.devices()[1:2]).reshape(1, 1)
+  Role = rl_cluster_lib.Role
+  cluster = rl_cluster_lib.RLCluster(
+    actor=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
+    reference=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
+    tokenizer=vocab,
+    cluster_config=rl_cluster_lib.ClusterConfig(
+      role_to_mesh={
+        Role.ACTOR: mesh,
+        Role.REFERENCE: mesh,
+        Role.ROLLOUT: mesh if colocated else jax.sharding.Mesh(mesh_of_its_own, ("fsdp", "tp")),
+      },
+      rollout_engine="vanilla",
+      training_config=rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=jls.dynamic_loss_scale(optax.sgd(1e-2), init_scale=init_scale),
+        eval_every_n_steps=100,
+        max_steps=4,
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+        max_tokens_to_generate=6, max_prompt_length=32, kv_cache_size=64
+      ),
+    ),
+  )
+  learner = grpo_learner.GRPOLearner(
+    rl_cluster=cluster,
+    reward_fns=[lambda prompts, completions, **_: [float(len(c)) for c in completions]],
+    algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=num_iterations),
+  )
+  data = grain.MapDataset.source(Prompts()).batch(2).map(lambda x: {"prompts": x, "answer": x})
+  return cluster, learner, data

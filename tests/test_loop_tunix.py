@@ -22,6 +22,7 @@ from loop_you_do_not_own import T
 from loop_you_do_not_own import TinyLM
 from loop_you_do_not_own import batches
 from loop_you_do_not_own import no_device_reads
+from loop_you_do_not_own import tunix_toy_grpo
 import numpy as np
 import optax
 import pytest
@@ -103,52 +104,6 @@ def test_gradient_accumulation_steps_is_refused():
   assert int(jls.get_scale_state(trainer.optimizer.opt_state).skipped_steps[...]) == 0
 
 
-def _grpo_cluster(init_scale):
-  grain = pytest.importorskip("grain.python")
-  from tunix.rl import rl_cluster as rl_cluster_lib
-  from tunix.rl.grpo import grpo_learner
-  from tunix.rl.rollout import base_rollout
-  from tunix.tests import test_common
-
-  class Prompts(grain.RandomAccessDataSource):
-    data = ["input string", "hello world", "My name", "hello there"] * 4
-
-    def __getitem__(self, i):
-      return self.data[i]
-
-    def __len__(self):
-      return len(self.data)
-
-  vocab = test_common.MockVocab()
-  config = test_common.ModelConfig(vocab_size=vocab.GetPieceSize())
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  Role = rl_cluster_lib.Role
-  cluster = rl_cluster_lib.RLCluster(
-    actor=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
-    reference=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
-    tokenizer=vocab,
-    cluster_config=rl_cluster_lib.ClusterConfig(
-      role_to_mesh={Role.ACTOR: mesh, Role.REFERENCE: mesh, Role.ROLLOUT: mesh},
-      rollout_engine="vanilla",
-      training_config=rl_cluster_lib.RLTrainingConfig(
-        actor_optimizer=jls.dynamic_loss_scale(optax.sgd(1e-2), init_scale=init_scale),
-        eval_every_n_steps=100,
-        max_steps=4,
-      ),
-      rollout_config=base_rollout.RolloutConfig(
-        max_tokens_to_generate=6, max_prompt_length=32, kv_cache_size=64
-      ),
-    ),
-  )
-  learner = grpo_learner.GRPOLearner(
-    rl_cluster=cluster,
-    reward_fns=[lambda prompts, completions, **_: [float(len(c)) for c in completions]],
-    algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1),
-  )
-  data = grain.MapDataset.source(Prompts()).batch(2).map(lambda x: {"prompts": x, "answer": x})
-  return cluster, learner, data
-
-
 def _grpo_run(retried):
   """4 GRPO steps of tunix's learner on its toy float32 transformer at scale 2**127: the
   third update's gradients overflow float32 once scaled. ``retried``: the guide's block
@@ -157,7 +112,7 @@ def _grpo_run(retried):
   promotion = jax.config.jax_numpy_dtype_promotion
   jax.config.update("jax_numpy_dtype_promotion", "standard")
   try:
-    rl_cluster, learner, data = _grpo_cluster(2.0**127)
+    rl_cluster, learner, data = tunix_toy_grpo(2.0**127)
     trainer = rl_cluster.actor_trainer
     link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
     if retried:

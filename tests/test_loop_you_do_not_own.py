@@ -32,6 +32,7 @@ from loop_you_do_not_own import TinyLM
 from loop_you_do_not_own import V
 from loop_you_do_not_own import batches
 from loop_you_do_not_own import default_loss_fn
+from loop_you_do_not_own import tunix_toy_grpo
 import numpy as np
 import optax
 import pytest
@@ -805,61 +806,18 @@ def test_tunix_grpo_learner_with_the_link(colocated, num_iterations):
   step), the reference model, the old log-probs of ``num_iterations=2`` and the actor's
   train step all run, and every step is applied through the shared scale."""
   pytest.importorskip("tunix", reason="google-tunix is not installed")
-  grain = pytest.importorskip("grain.python")
-  from tunix.rl import rl_cluster as rl_cluster_lib
-  from tunix.rl.grpo import grpo_learner
-  from tunix.rl.rollout import base_rollout
-  from tunix.tests import test_common
-
-  class Prompts(grain.RandomAccessDataSource):
-    data = ["input string", "hello world", "My name", "hello there"] * 4
-
-    def __getitem__(self, i):
-      return self.data[i]
-
-    def __len__(self):
-      return len(self.data)
-
-  vocab = test_common.MockVocab()
-  config = test_common.ModelConfig(vocab_size=vocab.GetPieceSize())
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  other = jax.sharding.Mesh(np.array(jax.devices()[1:2]).reshape(1, 1), ("fsdp", "tp"))
-  Role = rl_cluster_lib.Role
+  pytest.importorskip("grain.python")
   # tunix's code is not strict-clean, and runs in its own threads: the global setting.
   promotion = jax.config.jax_numpy_dtype_promotion
   jax.config.update("jax_numpy_dtype_promotion", "standard")
   try:
-    cluster = rl_cluster_lib.RLCluster(
-      actor=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
-      reference=test_common.ToyTransformer(config=config, rngs=nnx.Rngs(0)),
-      tokenizer=vocab,
-      cluster_config=rl_cluster_lib.ClusterConfig(
-        role_to_mesh={
-          Role.ACTOR: mesh,
-          Role.REFERENCE: mesh,
-          Role.ROLLOUT: mesh if colocated else other,
-        },
-        rollout_engine="vanilla",
-        training_config=rl_cluster_lib.RLTrainingConfig(
-          actor_optimizer=jls.dynamic_loss_scale(optax.sgd(1e-2), init_scale=2.0**10),
-          eval_every_n_steps=100,
-          max_steps=4,
-        ),
-        rollout_config=base_rollout.RolloutConfig(
-          max_tokens_to_generate=6, max_prompt_length=32, kv_cache_size=64
-        ),
-      ),
-    )
-    learner = grpo_learner.GRPOLearner(
-      rl_cluster=cluster,
-      reward_fns=[lambda prompts, completions, **_: [float(len(c)) for c in completions]],
-      algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=num_iterations),
+    cluster, learner, data = tunix_toy_grpo(
+      2.0**10, colocated=colocated, num_iterations=num_iterations
     )
     trainer = cluster.actor_trainer
     before = _bytes(_params(trainer.model))
     link_loss_scale(trainer.model, trainer.optimizer, output_dtype=jnp.float32)
     assert learner.should_sync_weights is not colocated
-    data = grain.MapDataset.source(Prompts()).batch(2).map(lambda x: {"prompts": x, "answer": x})
     learner.train(data)
   finally:
     jax.config.update("jax_numpy_dtype_promotion", promotion)
