@@ -240,13 +240,14 @@ def plot(payload: dict[str, Any], path: str, window: int = 20) -> None:
   for ax, name in zip(axes, names):
     for i, r in enumerate(run for run in payload["runs"] if run["dtype"] == name):
       y = np.asarray(r["rewards"])
-      smooth = np.convolve(y, np.ones(window) / window, mode="valid")
+      w = max(1, min(window, len(y)))  # a run shorter than the window: its own mean
+      smooth = np.convolve(y, np.ones(w) / w, mode="valid")
       color = f"C{i}"
       ax.plot(y, color=color, alpha=0.15, linewidth=0.6)
       skips = ""
       if "skips" in r:
         skips = f", {r['skips']} skip" + ("" if r["skips"] == 1 else "s")
-      ax.plot(np.arange(window - 1, len(y)), smooth, color=color, label=f"seed {r['seed']}{skips}")
+      ax.plot(np.arange(w - 1, len(y)), smooth, color=color, label=f"seed {r['seed']}{skips}")
     ax.set_title(name + (" + scaler" if name == "float16" else ""))
     ax.set_xlabel("GRPO step")
     ax.legend(loc="upper left", fontsize=8)

@@ -58,7 +58,7 @@ def test_tunix_mask_is_nan_in_float16_and_float16s_lowest_fixes_it(qwen3_mask):
   np.testing.assert_allclose(fixed16[0, 2:], fixed32[0, 2:], atol=0.05)
 
 
-def test_a_short_float16_grpo_run_applies_every_step(qwen3_mask):
+def test_a_short_float16_grpo_run_applies_every_step(qwen3_mask, tmp_path):
   rl_grpo = load_benchmark_module("rl_grpo")
   import jax
 
@@ -71,3 +71,6 @@ def test_a_short_float16_grpo_run_applies_every_step(qwen3_mask):
     jax.config.update("jax_numpy_dtype_promotion", promotion)
   assert len(run["rewards"]) == 3 and all(0.0 <= r <= 1.0 for r in run["rewards"])
   assert run["skips"] == 0 and run["final_scale"] == 2.0**16
+  # the report and the picture of a run shorter than the plot's 20-step window
+  rl_grpo.plot({"runs": [run]}, str(tmp_path / "r.png"))
+  assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
