@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_lossscale._scaler import _retry
-from jax_lossscale._scaler._rule import update_scale
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,17 +52,7 @@ OPTIONS = {
 
 
 def _parts(attempt, n):
-  def again(c):
-    retries, state, _, _ = c
-    state = update_scale(state, jnp.asarray(False))
-    result, finite = attempt(state)
-    return retries + 1, state, result, finite
-
-  def needed(c):
-    retries, state, _, finite = c
-    backed_off = update_scale(state, jnp.asarray(False))
-    return (~finite) & (retries < n) & (backed_off.scale != state.scale)
-
+  needed, again = _retry.retry_steps(attempt, n)
   return again, needed, lambda c: jax.lax.cond(needed(c), again, lambda c: c, c)
 
 

@@ -121,16 +121,7 @@ def retry_loop(
   if max_retries == 0:
     return scale_state, result, retries
 
-  def needed(carry):
-    retries, state, _, finite = carry
-    backed_off = update_scale(state, jnp.asarray(False))
-    return (~finite) & (retries < max_retries) & (backed_off.scale != state.scale)
-
-  def again(carry):
-    retries, state, _, _ = carry
-    state = update_scale(state, jnp.asarray(False))
-    result, finite = attempt(state)
-    return retries + 1, state, result, finite
+  needed, again = retry_steps(attempt, max_retries)
 
   def keep(carry):
     return carry
@@ -145,6 +136,29 @@ def retry_loop(
   carry = (retries, scale_state, result, finite)
   retries, state, result, _ = jax.lax.cond(needed(carry), retry_all, keep, carry)
   return state, result, retries
+
+
+def retry_steps(attempt: Callable[[DynamicScaleState], tuple[Any, jax.Array]], max_retries: int):
+  """The two steps of a retry loop on the carry ``(retries, state, result, finite)``.
+
+  ``needed(carry)``: the last attempt overflowed, fewer than ``max_retries`` retries ran
+  and a backoff still changes the scale. ``again(carry)``: back off once and run
+  ``attempt`` at the new scale. :func:`retry_loop` arranges them; the benchmarks of its
+  other forms (``benchmarks/retry_plan.py``) arrange the same two.
+  """
+
+  def needed(carry):
+    retries, state, _, finite = carry
+    backed_off = update_scale(state, jnp.asarray(False))
+    return (~finite) & (retries < max_retries) & (backed_off.scale != state.scale)
+
+  def again(carry):
+    retries, state, _, _ = carry
+    state = update_scale(state, jnp.asarray(False))
+    result, finite = attempt(state)
+    return retries + 1, state, result, finite
+
+  return needed, again
 
 
 def _is_accumulator(x: Any) -> bool:
