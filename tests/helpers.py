@@ -422,3 +422,17 @@ def block_counts(report, blocks):
     return int(report.nonzero[k]), int(report.lost_unscaled[k]), int(report.lost_scaled[k])
 
   return [[counts(k) for k in b] for b in per_block], [counts(k) for k in rest]
+
+
+def assert_worst_layer_inside_scan(report, unrolled) -> str:
+  """A scanned model's check_underflow verdict names its worst activation, an op inside the
+  scan, with nothing left unchecked; its unrolled twin's worst is that op's same fraction.
+  Returns the verdict."""
+  fractions = report.fractions()
+  worst = max(report.looked_at()["activations"], key=fractions.get)
+  assert worst.startswith("activations/scan#0[")  # a block's op, not the logits
+  verdict = report.verdict()
+  assert f"worst {worst}: {fractions[worst]:.2%}" in verdict
+  assert "not checked" not in verdict
+  assert max(unrolled.fractions().values()) == fractions[worst]
+  return verdict

@@ -10,6 +10,7 @@ counts exactly, and the verdict must name the worst layer wherever it is.
 import functools
 
 from conftest import import_optional
+from helpers import assert_worst_layer_inside_scan
 from helpers import block_counts
 from helpers import tap_number
 import jax
@@ -135,16 +136,8 @@ def test_each_iteration_is_checked_as_its_unrolled_block(loop, remat, twin):
 
 
 def test_the_verdict_names_the_worst_layer_inside_the_scan():
-  report = _report("scan")
-  fractions = report.fractions()
-  worst = max(report.looked_at()["activations"], key=fractions.get)
-  assert worst.startswith("activations/scan#0[")  # a block's op, not the logits
-  verdict = report.verdict()
-  assert f"worst {worst}: {fractions[worst]:.2%}" in verdict
-  assert "not checked" not in verdict
-  # the unrolled twin's worst activation is that block's same op
-  unrolled = _report("unrolled")
-  assert max(unrolled.fractions().values()) == fractions[worst]
+  report, unrolled = _report("scan"), _report("unrolled")
+  verdict = assert_worst_layer_inside_scan(report, unrolled)
   print(f"\nscanned:  {verdict}\nunrolled: {unrolled.verdict()}")
 
 

@@ -21,6 +21,7 @@ import re
 
 from conftest import import_optional
 from helpers import all_eqns
+from helpers import assert_worst_layer_inside_scan
 from helpers import block_counts
 import jax
 import jax.numpy as jnp
@@ -218,12 +219,5 @@ def test_each_iteration_is_checked_as_its_unrolled_block(flax, remat):
 @pytest.mark.parametrize("flax", ["nnx", "linen"])
 def test_the_verdict_names_the_worst_layer_inside_the_scan(flax):
   (report, _), (unrolled, _) = REPORTS[flax]("scan", False), REPORTS[flax]("unrolled", False)
-  fractions = report.fractions()
-  worst = max(report.looked_at()["activations"], key=fractions.get)
-  assert worst.startswith("activations/scan#0[")  # a block's op, not the logits
-  verdict = report.verdict()
-  assert f"worst {worst}: {fractions[worst]:.2%}" in verdict
-  assert "not checked" not in verdict
-  # the twin's worst activation is that block's same op
-  assert max(unrolled.fractions().values()) == fractions[worst]
+  verdict = assert_worst_layer_inside_scan(report, unrolled)
   print(f"\n{flax} scanned:  {verdict}\n{flax} unrolled: {unrolled.verdict()}")
