@@ -4,7 +4,7 @@
   ``benchmarks/results/*.json``, rendered by ``benchmarks/bench_report.py`` (the renderer
   that writes the committed ``.md`` next to each JSON file), newest first
   (:func:`results_files`): a new results file shows up on the next build, with no edit here.
-* ``<!-- policy-table -->``, ``<!-- kinds-table -->`` and ``<!-- registrations-table -->``
+* ``<!-- policy-table -->``, ``<!-- rules-table -->`` and ``<!-- registrations-table -->``
   (``docs/guides/autocast.md``) are replaced by the autocast tables rendered from the code
   by ``docs/autocast_tables.py`` (:func:`autocast_tables`).
 * ``<!-- examples-gallery -->`` (``docs/examples.md``) is replaced by a section per

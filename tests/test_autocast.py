@@ -28,11 +28,11 @@ from jax_lossscale._autocast import UnsupportedPrimitiveError
 from jax_lossscale._autocast import autocast
 from jax_lossscale._autocast import float32
 from jax_lossscale._autocast._policy import DEFAULT_POLICY
+from jax_lossscale._autocast._policy import FLOAT32
+from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import POLICY_TABLE
+from jax_lossscale._autocast._policy import PROMOTE
 from jax_lossscale._autocast._policy import autocast_policy
-from jax_lossscale._autocast._primitives import FLOAT32
-from jax_lossscale._autocast._primitives import LOWER
-from jax_lossscale._autocast._primitives import POLICY_TABLE
-from jax_lossscale._autocast._primitives import PROMOTE
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -113,7 +113,7 @@ def test_each_primitive_runs_in_the_dtype_of_its_list(row, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_log2_and_log10_run_in_float32_in_every_jax_version(fun, dtype):
   # torch's fp32 list has log2 and log10. jnp.log2 is log then a div up to jax 0.10 and
-  # the primitive log2 from jax 0.11 (jax_lossscale._autocast._primitives.VERSIONED_ROWS).
+  # the primitive log2 from jax 0.11 (jax_lossscale._autocast._policy.VERSIONED_ROWS).
   x = X.astype(dtype)
   names = {e.primitive.name for e in jax.make_jaxpr(fun)(x).jaxpr.eqns}
   name = "log2" if "log2" in names else "log"

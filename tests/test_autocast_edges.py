@@ -15,9 +15,9 @@ import pytest
 import jax_lossscale as jls
 from jax_lossscale import _autocast
 from jax_lossscale._autocast import AutocastError
-from jax_lossscale._autocast import _primitives as prims
 from jax_lossscale._autocast import _values
 from jax_lossscale._autocast import autocast
+from jax_lossscale._autocast._rules import _registry as registry
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
@@ -72,12 +72,18 @@ def test_a_weakly_typed_scalar_does_not_promote_a_zero_dim_float16_tensor():
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+def _replace_rule(monkeypatch, name, fn):
+  """The registry's rule of the exported primitive ``name``, with ``fn`` as its function."""
+  prim = registry.resolve(name)
+  monkeypatch.setitem(registry._BY_OBJECT, prim, registry.lookup(prim)._replace(fn=fn))
+
+
 def test_a_handler_missing_a_parameter_raises_naming_it(monkeypatch):
   # A jax version whose higher-order primitive lacks a parameter the handler reads.
   def handler(interp, eqn, invals):
     return _values.param(eqn, "no_such_param", "its_old_name")
 
-  monkeypatch.setitem(prims._HANDLERS, "cond", prims.Handler(handler, untapped=True))
+  _replace_rule(monkeypatch, "cond", handler)
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
   with pytest.raises(
     AutocastError,
@@ -93,7 +99,7 @@ def test_a_key_error_inside_a_handler_is_not_taken_for_a_missing_parameter(monke
   def handler(interp, eqn, invals):
     return {}["not_a_parameter"]
 
-  monkeypatch.setitem(prims._HANDLERS, "cond", prims.Handler(handler, untapped=True))
+  _replace_rule(monkeypatch, "cond", handler)
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
   with pytest.raises(KeyError, match="not_a_parameter"):
     autocast(f)(True, jnp.ones(3))

@@ -1,8 +1,8 @@
 """docs/guides/autocast.md against the code.
 
-* the policy, kinds and registrations tables are rendered from the code when the site is built
+* the policy, rules and registrations tables are rendered from the code when the site is built
   (``docs/autocast_tables.py``, called by ``docs/hooks.py``): the guide holds a placeholder per
-  table, and each renderer gives a row per policy row, per kind, per registration;
+  table, and each renderer gives a row per policy row, per rule, per registration;
 * the deviations table names exactly the zoo's ``DEVIATIONS`` and the deviations tested
   here (:data:`GUIDE_DEVIATIONS`), each checked against torch's dtype.
 
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
-from jax_lossscale._autocast import _primitives
 from jax_lossscale._autocast import _registrations
+from jax_lossscale._autocast._rules import _registry as registry
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,37 +80,50 @@ def test_the_policy_table_has_a_row_per_policy_row():
   assert rows == [[f"`{r.primitive}`", r.rule, r.torch, r.note] for r in policy]
 
 
-def test_the_kinds_table_has_a_row_per_kind():
-  rendered = TABLES.kinds_table()
+def test_the_rules_table_has_a_row_per_rule_in_its_own_words():
+  rendered = TABLES.rules_table()
   rows = _rows(rendered)
-  names = _primitives.table_names()
-  assert [_code(row[0].split(":")[0]) for row in rows] == list(_primitives.KIND_DESCRIPTIONS)
-  for row, (kind, description) in zip(rows, _primitives.KIND_DESCRIPTIONS.items()):
-    assert row[0] == f"`{kind}`: {description}"
-    count = sum(k == kind for k in names.values())
-    assert row[1] == (str(count) if count else "—"), kind
-    assert row[2] and row[3], kind
-  assert sum(int(row[1]) for row in rows if row[1] != "—") == len(names)
-  higher_order = rows[list(_primitives.KIND_DESCRIPTIONS).index(_primitives.HIGHER_ORDER)]
-  for name in _primitives.UNHANDLED:
-    assert f"`{name}`" in higher_order[3], name
+  rules = registry.rules()
+  functions = list(dict.fromkeys(rule.fn for rule in rules.values()))
+  assert len(rows) == len(functions) > 15
+  kinds = list(registry.KINDS)
+  assert [kinds.index(_code(row[0])) for row in rows] == sorted(
+    kinds.index(_code(r[0])) for r in rows
+  )
+  by_doc = {" ".join(fn.__doc__.split("\n\n")[0].split()): fn for fn in functions}
+  names = registry.table_names()
+  for row in rows:
+    fn = by_doc[row[3]]  # the rule's docstring, word for word
+    declared = [n for n, r in rules.items() if r.fn is fn]
+    here = [n for n in declared if n in names]
+    assert row[2] == str(len(here)), row
+    assert row[4] == f"`{fn.__module__.rsplit('.', 1)[-1].lstrip('_')}`", row
+    assert all(
+      rules[_code(n.split(" (")[0])].fn is fn for n in row[1].split(" and ")[0].split(", ")
+    )
+  assert sum(int(row[2]) for row in rows) == len(names)
 
 
-def test_the_kinds_tables_examples_have_that_kind():
-  names = _primitives.table_names()
-  shown = 0
-  for row in _rows(TABLES.kinds_table()):
-    kind = _code(row[0].split(":")[0])
-    for example in re.findall(r"`([a-z_0-9-]+)`", row[2]):
-      if example in _primitives.versioned_names() or example in names:
-        assert names.get(example) == kind, (example, kind)  # defined by this JAX, of that kind
-        shown += 1
-  assert shown > 30
+def test_a_rule_whose_primitives_this_jax_lacks_shows_them_with_their_releases():
+  (row,) = [r for r in _rows(TABLES.rules_table()) if "xla_pmap" in r[1]]
+  defined = "xla_pmap" in registry.table_names()
+  assert row[1] == ("`xla_pmap`" if defined else "`xla_pmap` (0.9.0 ≤ jax < 0.10.0)"), row
+  assert row[2] == str(int(defined)) and "UnsupportedPrimitiveError" in row[3]
+
+
+def test_the_regions_table_names_each_jit_region_of_autocasts_own():
+  from jax_lossscale._autocast._rules import _calls
+
+  rendered = TABLES.rules_table()
+  regions = _rows(rendered[rendered.index("| region |") :])
+  marks = [m for row in regions for m in re.findall(r"`([a-z_0-9]+)…`", row[0])]
+  assert sorted(marks) == sorted(_calls._REGIONS) and len(marks) == 3
+  assert len(regions) == 2  # autocast's two marks share their rule
 
 
 def test_the_versioned_primitives_are_each_listed_once():
-  rendered = TABLES.kinds_table()
-  versioned = _primitives.versioned_names()
+  rendered = TABLES.rules_table()
+  versioned = registry.versioned_names()
   second = rendered[rendered.index("| defined by |") :]
   listed = re.findall(r"`([a-z_0-9-]+)`", "\n".join(row[2] for row in _rows(second)))
   assert sorted(listed) == sorted(versioned)
@@ -129,32 +142,8 @@ def test_the_hook_renders_the_guides_tables():
   page = _hooks().on_page_markdown(GUIDE.read_text(), page=None, config=config, files=None)
   for placeholder in TABLES.PLACEHOLDERS:
     assert placeholder not in page, placeholder
-  for table in (TABLES.policy_table(), TABLES.kinds_table(), TABLES.registrations_table()):
+  for table in (TABLES.policy_table(), TABLES.rules_table(), TABLES.registrations_table()):
     assert table.strip() in page
-
-
-def test_prose_out_of_step_with_the_code_fails_the_build(monkeypatch):
-  # A kind without prose (a new kind) and an example of another kind each raise, which fails
-  # `mkdocs build`.
-  kinds = dict(TABLES.KIND_PROSE)
-  del kinds["scatter"]
-  monkeypatch.setattr(TABLES, "KIND_PROSE", kinds)
-  with pytest.raises(ValueError, match=r"kind without prose: \['scatter'\]"):
-    TABLES.kinds_table()
-  monkeypatch.undo()
-
-  examples, does = TABLES.KIND_PROSE["layout"]
-  monkeypatch.setitem(TABLES.KIND_PROSE, "layout", ((*examples, "`exp`"), does))
-  with pytest.raises(ValueError, match="`exp` is an example of layout, but is first_order"):
-    TABLES.kinds_table()
-
-
-def test_an_example_this_jax_does_not_define_is_left_out():
-  names = _primitives.table_names()
-  examples = ("`jit`", "`xla_pmap`", "custom calls")
-  shown = TABLES._examples(_primitives.HIGHER_ORDER, examples, names)
-  assert shown.startswith("`jit`, ") and shown.endswith("custom calls")
-  assert ("`xla_pmap`" in shown) == ("xla_pmap" in names)
 
 
 # -- the deviations stated only in the guide: each checked here against torch's dtype ------

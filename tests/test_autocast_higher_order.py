@@ -71,16 +71,16 @@ def _half(x):
 
 
 def test_a_jit_region_mark_is_declared_once():
-  from jax_lossscale._autocast import _higher_order
+  from jax_lossscale._autocast._rules import _calls
 
-  mark, region = next(iter(_higher_order._REGIONS.items()))
+  mark, region = next(iter(_calls._REGIONS.items()))
   try:
     with pytest.raises(ValueError, match="declared twice"):
-      _higher_order.jit_region(mark)(lambda interp, eqn, ins: ins)
+      _calls.jit_region(mark)(lambda interp, eqn, ins: ins)
   finally:
-    _higher_order._REGIONS[mark] = region
+    _calls._REGIONS[mark] = region
   # the region first declared under that mark is still the one that evaluates it
-  assert _higher_order._REGIONS[mark] is region
+  assert _calls._REGIONS[mark] is region
 
 
 def test_a_jit_whose_body_holds_a_constant_keeps_its_donation_and_layouts():

@@ -222,3 +222,65 @@ def test_every_error_message_is_sentences_ending_with_a_period():
         if end is not None and end != "{hint}" and not end.rstrip().endswith((".", "?")):
           wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: ...{end[-40:]!r}")
   assert not wrong, "\n".join(wrong)
+
+
+def _names_a_primitive(node: ast.AST) -> bool:
+  """``<x>.primitive.name`` or ``prim.name`` (the name of a JAX primitive)."""
+  return (
+    isinstance(node, ast.Attribute)
+    and node.attr == "name"
+    and (
+      (isinstance(node.value, ast.Attribute) and node.value.attr == "primitive")
+      or (isinstance(node.value, ast.Name) and node.value.id == "prim")
+    )
+  )
+
+
+def _dispatches_on_a_primitives_name(tree: ast.AST) -> list[int]:
+  """The lines that decide on a primitive's name: a comparison (``==``, ``in``) or a lookup
+  (``table[...]``, ``table.get(...)``) of it. Naming it in a message is not deciding."""
+  lines = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Compare):
+      operands = [node.left, *node.comparators]
+      if any(_names_a_primitive(o) for o in operands):
+        lines.append(node.lineno)
+    elif isinstance(node, ast.Subscript) and _names_a_primitive(node.slice):
+      lines.append(node.lineno)
+    elif (
+      isinstance(node, ast.Call)
+      and isinstance(node.func, ast.Attribute)
+      and node.func.attr in ("get", "pop", "setdefault")
+      and node.args
+      and _names_a_primitive(node.args[0])
+    ):
+      lines.append(node.lineno)
+  return lines
+
+
+def test_autocast_decides_on_a_primitives_name_only_in_its_rules():
+  # What autocast does with a primitive is its rule's (jax_lossscale/_autocast/_rules/): the
+  # interpreter and the other modules look the rule up, they do not test the name.
+  autocast = ROOT / "_autocast"
+  wrong = [
+    f"{path.relative_to(ROOT)}:{line}"
+    for path in sorted(autocast.rglob("*.py"))
+    if "_rules" not in path.relative_to(autocast).parts
+    for line in _dispatches_on_a_primitives_name(ast.parse(path.read_text(), str(path)))
+  ]
+  assert not wrong, "decisions on a primitive's name outside _autocast/_rules/: " + ", ".join(wrong)
+
+
+@pytest.mark.parametrize(
+  ("source", "found"),
+  [
+    ("if eqn.primitive.name == 'add': pass", [1]),
+    ("x = eqn.primitive.name in KEEPS", [1]),
+    ("r = table[eqn.primitive.name]", [1]),
+    ("r = table.get(prim.name, 0)", [1]),
+    ("raise ValueError(f'{eqn.primitive.name} is refused.')", []),
+    ("if eqn.primitive is other.primitive: pass", []),
+  ],
+)
+def test_the_name_dispatch_finder_finds_decisions_not_messages(source, found):
+  assert _dispatches_on_a_primitives_name(ast.parse(source)) == found

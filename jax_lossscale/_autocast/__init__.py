@@ -2,17 +2,14 @@
 
 The subpackage's rooms:
 
-* :mod:`._primitives`: the registry: every JAX primitive's kind (first-order, layout,
-  scatter, collective, opaque, higher-order, kernel-only), the rules of torch's lists,
-  the handlers of the higher-order primitives and the flags, checked against the
-  installed JAX;
-* :mod:`._policy`: the default policy built from the registry, and a user's overrides
-  checked;
+* :mod:`._rules`: what autocast does with each JAX primitive: one rule function per
+  behaviour, in a room of its kind, each declared for its primitives (kind, names by JAX
+  release, flags) in one registry, checked against the installed JAX;
+* :mod:`._policy`: torch's CUDA lists as a table of lax primitives, the default policy,
+  and a user's overrides checked;
 * :mod:`._values`: the values the interpreter computes with, their facts, and the casts
-  and binds every handler shares;
-* :mod:`._interpreter`: the jaxpr interpreter, dispatching on the registry;
-* :mod:`._higher_order`: the handlers of the higher-order primitives, each declared in
-  the registry by a decorator;
+  and binds every rule shares;
+* :mod:`._interpreter`: the jaxpr interpreter: each equation's rule looked up and called;
 * :mod:`._composite`: composite ops with their own rule (``autocast_op``);
 * :mod:`._registrations`: the composite ops torch implies (attention, RNN cells, batch
   norms), installed while autocast traces;
@@ -28,8 +25,8 @@ every JAX release supported), and ``AUTOCAST_MARK`` (in the name of the ``jit`` 
 function is staged out as).
 """
 
-# The handlers declare themselves in the registry when their module is imported.
-from jax_lossscale._autocast import _higher_order as _higher_order
+# The rules declare themselves in the registry when their rooms are imported.
+from jax_lossscale._autocast import _rules as _rules
 from jax_lossscale._autocast._api import AUTOCAST_MARK as AUTOCAST_MARK
 from jax_lossscale._autocast._api import AutocastSpec as AutocastSpec
 from jax_lossscale._autocast._api import autocast as autocast

@@ -15,10 +15,12 @@ import numpy as np
 from jax_lossscale._autocast import _registrations
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
-from jax_lossscale._autocast._higher_order import jit_region
 from jax_lossscale._autocast._interpreter import Interpreter
-from jax_lossscale._autocast._policy import ELIGIBLE
 from jax_lossscale._autocast._policy import check_policy
+from jax_lossscale._autocast._rules._as_written import as_written
+from jax_lossscale._autocast._rules._calls import jit_region
+from jax_lossscale._autocast._rules._registry import Interp
+from jax_lossscale._autocast._values import ELIGIBLE
 from jax_lossscale._autocast._values import Facts
 from jax_lossscale._autocast._values import TapSink
 from jax_lossscale._autocast._values import Val
@@ -35,9 +37,11 @@ AUTOCAST_MARK = "jls_autocast"
 
 @jit_region(FLOAT32_MARK)
 @jit_region(AUTOCAST_MARK)
-def _as_written_region(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
-  """A region left as written: its inputs go back to the declared dtypes."""
-  return interp.as_written(eqn, ins)
+def _as_written_region(interp: Interp, eqn: Any, ins: list[Val]) -> list[Val]:
+  """A `float32(fn)` region or a nested `autocast`: bound as written, inputs cast back to
+  their declared dtypes (a nested `autocast`'s own policy wins, as the innermost torch
+  context does)."""
+  return as_written(interp, eqn, ins)
 
 
 def _check_dtype(dtype: Any) -> np.dtype[Any]:

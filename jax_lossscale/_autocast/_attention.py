@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_lossscale._autocast._policy import is_eligible
+from jax_lossscale._autocast._values import is_eligible
 
 logger = logging.getLogger("jax_lossscale.autocast")
 

@@ -32,18 +32,20 @@ import numpy as np
 from jax_lossscale._autocast._arguments import rebuild
 from jax_lossscale._autocast._arguments import split
 from jax_lossscale._autocast._errors import AutocastError
-from jax_lossscale._autocast._higher_order import jit_region
 from jax_lossscale._autocast._interpreter import Interpreter
-from jax_lossscale._autocast._policy import is_eligible
+from jax_lossscale._autocast._policy import COMPOSITE_RULES
+from jax_lossscale._autocast._policy import FLOAT32
+from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
+from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import PROMOTE
 from jax_lossscale._autocast._policy import nearest
-from jax_lossscale._autocast._primitives import COMPOSITE_RULES
-from jax_lossscale._autocast._primitives import FLOAT32
-from jax_lossscale._autocast._primitives import FLOAT32_COMPUTE
-from jax_lossscale._autocast._primitives import LOWER
-from jax_lossscale._autocast._primitives import PROMOTE
+from jax_lossscale._autocast._rules._as_written import as_written
+from jax_lossscale._autocast._rules._calls import jit_region
+from jax_lossscale._autocast._rules._registry import Interp
 from jax_lossscale._autocast._values import Facts
 from jax_lossscale._autocast._values import Val
 from jax_lossscale._autocast._values import cast
+from jax_lossscale._autocast._values import is_eligible
 from jax_lossscale._autocast._values import torch_promote
 
 __all__ = ("autocast_op", "evaluate", "marking", "op_wrapper", "tracing_dtype")
@@ -199,8 +201,9 @@ def _call(
 
 
 @jit_region(OP_MARK)
-def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
-  """The interpreter's rule for a composite op's marker equation."""
+def evaluate(interp: Interp, eqn: Any, ins: list[Val]) -> list[Val]:
+  """An `autocast_op` call: the op on its actual inputs, cast by its rule (the
+  shipped registrations below)."""
   meta = _parse(str(eqn.params["name"]))
   # The equation that binds a declared jaxpr is the call itself: it holds that jaxpr,
   # so its entry is alive. Any other equation of a marker is the call transformed by
@@ -224,7 +227,7 @@ def evaluate(interp: Interpreter, eqn: Any, ins: list[Val]) -> list[Val]:
 
 
 def _transformed(
-  interp: Interpreter, meta: _Meta, eqn: Any, ins: list[Val]
+  interp: Interp, meta: _Meta, eqn: Any, ins: list[Val]
 ) -> tuple[list[Any], tuple[tuple[int, ...], np.dtype | None] | None]:
   """A marker transformed by JAX (``vmap``, ``jvp``, partial evaluation, transposition).
 
@@ -255,7 +258,7 @@ def _transformed(
     xs = _cast_inputs(PROMOTE, xs, interp.dtype, follows[: meta.n_in] + tangents)
     # Every float input is now in the one dtype: which of them follow no longer matters.
     return [v.x for v in off.eval_closed(eqn.params["jaxpr"], [Val(x) for x in xs])], None
-  outs = [v.x for v in interp.as_written(eqn, ins)]
+  outs = [v.x for v in as_written(interp, eqn, ins)]
   if meta.rule == LOWER:
     outs = [cast(o, interp.dtype) if is_eligible(o.dtype) else o for o in outs]
   if meta.rule != FLOAT32_COMPUTE or meta.primary is None:

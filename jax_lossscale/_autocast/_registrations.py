@@ -28,9 +28,9 @@ from jax_lossscale._autocast._attention import attention as routed_attention
 from jax_lossscale._autocast._composite import marking
 from jax_lossscale._autocast._composite import op_wrapper
 from jax_lossscale._autocast._composite import tracing_dtype
-from jax_lossscale._autocast._primitives import FLOAT32_COMPUTE
-from jax_lossscale._autocast._primitives import LOWER
-from jax_lossscale._autocast._primitives import PROMOTE
+from jax_lossscale._autocast._policy import FLOAT32_COMPUTE
+from jax_lossscale._autocast._policy import LOWER
+from jax_lossscale._autocast._policy import PROMOTE
 
 __all__ = ("registered", "registrations", "tracing")
 

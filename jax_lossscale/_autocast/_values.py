@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_lossscale._autocast._errors import unsupported
-from jax_lossscale._autocast._policy import is_eligible
 
 __all__ = (
+  "ELIGIBLE",
   "NO_FACTS",
   "Facts",
   "TapSink",
@@ -41,11 +41,25 @@ __all__ = (
   "cast",
   "cast_to_declared",
   "hoist",
+  "is_eligible",
   "is_float",
   "jaxprs_in_params",
   "param",
   "torch_promote",
+  "users_cross",
 )
+
+#: Float dtypes autocast casts (torch: ``is_eligible`` excludes float64).
+ELIGIBLE = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+
+
+def is_eligible(dtype: Any) -> bool:
+  """Whether autocast casts arrays of ``dtype`` (float16, bfloat16, float32)."""
+  try:
+    return np.dtype(dtype) in ELIGIBLE
+  except TypeError:  # an extended dtype (PRNG keys)
+    return False
+
 
 # jax.extend.core exports it from jax 0.10 on; jax 0.9 has it in jax._src.core only.
 jaxprs_in_params: Any = getattr(jex, "jaxprs_in_params", None) or jax._src.core.jaxprs_in_params
@@ -214,3 +228,12 @@ def param(eqn: Any, name: str, *renamed: str) -> Any:
     f" (its parameter {spelled} is missing in jax {jax.__version__}, whose parameters for it"
     f" are {sorted(eqn.params)})",
   )
+
+
+def users_cross(taps: TapSink | None, outer: Sequence[Val], inner: Sequence[Val]) -> None:
+  """A user's tap passed into a body (a scan's rows of it) is a user's tap there too."""
+  if taps is None:
+    return
+  for o, i in zip(outer, inner, strict=True):
+    if taps.is_user(o.x):
+      taps.mark_user(i.x)
