@@ -973,7 +973,7 @@ EQUIVALENT: dict[str, str] = {
   ),
   "_product:exact_reciprocal:cmp-strict:2248#2": "as _product:exact_reciprocal:cmp-strict:2248 (the same long division, later bits)",
   # _autocast/ (_interpreter, _values, _higher_order, _api)
-  "_interpreter:Interpreter.promote:if-false:a5eb": (
+  "_promotion:promote:if-false:a5eb": (
     "with fewer than two float operands every declared-dtype group has one member, so the "
     "loop below skips each (fewer than two dtypes in the group) and returns the operands "
     "unchanged: a fast path"
@@ -1048,7 +1048,7 @@ EQUIVALENT: dict[str, str] = {
     "nothing is ever stored under the key None (the store is guarded by key is not None), "
     "so cache.get(None) is None, as the original's fallback"
   ),
-  "_higher_order:_eval_custom_vjp.bwd_rule:if-false:91b2": (
+  "_custom:custom_vjp.bwd_rule:if-false:91b2": (
     "a zero or integer cotangent is then the instantiated zeros of the argument's dtype "
     "instead of None: custom_vjp treats None as zeros and turns an integer zero array for an "
     "integer argument into float0, the same cotangents (checked by experiment: float and "
@@ -1090,52 +1090,52 @@ EQUIVALENT: dict[str, str] = {
   "_composite:_marker_call:cmp-negate:7042": (
     "fun_name always equals the marker's name here, so this re-traces every marker (as _composite:_marker_call:if-true:65cc) and skips the re-trace only where the monkeypatched test hides fun_name (where the first trace is right)"
   ),
-  "_higher_order:_scan_layout:cmp-negate:6f5f": (
+  "_loops:_scan_layout:cmp-negate:6f5f": (
     "jax 0.10's scan has num_consts, so both spellings read it; on jax 0.12 (ft_in) tests/test_autocast_higher_order.py::test_a_scan_whose_body_holds_a_constant_takes_it_as_a_leading_const kills it"
   ),
-  "_higher_order:_scan_layout:if-true:c455": (
-    "as _higher_order:_scan_layout:cmp-negate:6f5f: the ft_in branch runs on jax >= 0.11 only, where the same test kills it"
+  "_loops:_scan_layout:if-true:c455": (
+    "as _loops:_scan_layout:cmp-negate:6f5f: the ft_in branch runs on jax >= 0.11 only, where the same test kills it"
   ),
-  "_higher_order:_scan_with_leading_consts:cmp-negate:175b": (
-    "as _higher_order:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
+  "_loops:_scan_with_leading_consts:cmp-negate:175b": (
+    "as _loops:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
   ),
-  "_higher_order:_scan_with_leading_consts:if-true:60a7": (
-    "as _higher_order:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
+  "_loops:_scan_with_leading_consts:if-true:60a7": (
+    "as _loops:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
   ),
-  "_higher_order:_scan_with_leading_consts:cmp-negate:1e94": (
-    "as _higher_order:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
+  "_loops:_scan_with_leading_consts:cmp-negate:1e94": (
+    "as _loops:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
   ),
-  "_higher_order:_scan_with_leading_consts:drop-kwarg:ft_in:ec62": (
-    "as _higher_order:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
+  "_loops:_scan_with_leading_consts:drop-kwarg:ft_in:ec62": (
+    "as _loops:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
   ),
-  "_higher_order:_scan_with_leading_consts:if-false:7d01": (
+  "_loops:_scan_with_leading_consts:if-false:7d01": (
     "with k == 0 the jax 0.10 branch adds 0 consts and an empty linear prefix, the same params; on jax 0.12 tests/test_autocast_higher_order.py::test_a_rebound_scan_keeps_its_parameters kills it"
   ),
-  "_higher_order:_eval_custom_vjp.bwd_rule.flat_bwd:if-false:b469": (
+  "_custom:custom_vjp.bwd_rule.flat_bwd:if-false:b469": (
     "the logs branch runs on jax >= 0.11 only (custom_vjp.defvjp_with_logs); tests/test_autocast_higher_order.py::test_a_custom_vjps_backward_rule_runs_under_the_policy kills it there"
   ),
-  "_higher_order:_eval_custom_vjp.bwd_rule.flat_bwd:raise-to-pass:da9a": (
-    "as _higher_order:_eval_custom_vjp.bwd_rule.flat_bwd:if-false:b469; tests/test_autocast_higher_order.py::test_a_custom_vjp_whose_backward_rule_returns_logs_is_refused kills it on jax >= 0.11"
+  "_custom:custom_vjp.bwd_rule.flat_bwd:raise-to-pass:da9a": (
+    "as _custom:custom_vjp.bwd_rule.flat_bwd:if-false:b469; tests/test_autocast_higher_order.py::test_a_custom_vjp_whose_backward_rule_returns_logs_is_refused kills it on jax >= 0.11"
   ),
-  "_higher_order:_scan_with_leading_consts:if-false:e518": (
+  "_loops:_scan_with_leading_consts:if-false:e518": (
     "scan has no `linear` parameter in jax 0.10 or 0.12 (0.12 takes the ft_in branch), so that line never runs"
   ),
-  "_higher_order:_eval_jit:if-true:040b": (
+  "_calls:jit:if-true:040b": (
     "with no constants, k = 0 and every parameter is rebuilt as an equal tuple"
   ),
-  "_higher_order:_eval_jit:if-true:1007": (
+  "_calls:jit:if-true:1007": (
     "jit's equation always has in_layouts (jax 0.10 and 0.12)"
   ),
-  "_higher_order:_eval_jit:if-true:ab19": (
+  "_calls:jit:if-true:ab19": (
     "jit's equation always has donated_invars (jax 0.10 and 0.12)"
   ),
-  "_higher_order:_unspecified:if-true:9db6": (
+  "_calls:_unspecified:if-true:9db6": (
     "UNSPECIFIED is JAX's only UnspecifiedValue instance, so the one found is the one imported"
   ),
-  "_higher_order:_eval_scan:if-false:aeef": (
+  "_loops:scan:if-false:aeef": (
     "the body gives its carries as Val(c), so their facts are NO_FACTS either way"
   ),
-  "_higher_order:_common_consts:if-false:6da5": (
+  "_branches:_common_consts:if-false:6da5": (
     "with no constants, re-tracing each branch through jaxpr_as_fun gives the same jaxpr (compared, with the HLO names, under nested scopes, jit and checkpoint on jax 0.10 and 0.12)"
   ),
   # session 10: _policy, _primitives, _registrations
@@ -1150,13 +1150,13 @@ EQUIVALENT: dict[str, str] = {
   "_primitives:_all_kinds:if-true:3414": (
     "as _primitives:higher_order.register:drop-kwarg:handled:5efd: register is the only caller that passes handled=False"
   ),
-  "_primitives:_exported:if-false:7962": (
+  "_registry:_exported:if-false:7962": (
     "no registry name ending in _p (mosaic_gpu_p, reduced_vary_cast_p, vary_unreduced_cast_p) is exported by jax.lax or jax.extend.core.primitives, and a user key such as exp_p fails the prim.name == name check either way"
   ),
   "_primitives:kind:if-false:a914": (
     "the by-object and by-name indexes are disjoint (a name is indexed once, by object if exported, else by name), so a namesake reaches _BY_NAME.get, which returns None anyway"
   ),
-  "_primitives:by_name:if-true:4088": (
+  "_registry:by_name:if-true:4088": (
     "stand-ins are only ever looked up by name (kind() through _BY_NAME, the interpreter through the policy by name), never by identity, so a fresh stand-in per call changes nothing"
   ),
   "_registrations:_method.make:if-false:7102": (
@@ -1196,10 +1196,10 @@ EQUIVALENT: dict[str, str] = {
   "_interpreter:Interpreter._keep_lowp:if-false:366d": (
     "lowp is read only by _bias_target and by cond's output rule, and both check dtype == interp.dtype themselves: a value that kept lowp wrongly is never the half side of a mixed-dtype bias add"
   ),
-  "_interpreter:Interpreter._keep_lowp:drop-kwarg:lowp:a1de": (
+  "_promotion:keep_lowp:drop-kwarg:lowp:a1de": (
     "as _interpreter:Interpreter._keep_lowp:if-false:366d"
   ),
-  "_interpreter:Interpreter.promote:if-false:9187": (
+  "_promotion:promote:if-false:9187": (
     "a declared-dtype group whose members already share one actual dtype gets that dtype from both _bias_target and _torch_promotion, and cast does nothing to a value already in it: a fast path"
   ),
   # session 10: _api
@@ -1255,26 +1255,26 @@ EQUIVALENT: dict[str, str] = {
   "_flax:TrainState.apply_gradients:if-true:af8a": (
     "split_variables(self.params)[0] is self.params unless the params themselves hold fp8 meta, and params holding fp8 meta given gradients without it fail either way, with the same pytree-structure ValueError"
   ),
-  "_shared_scale:scaled_backward:if-false:af19": (
+  "_shared_scale:_on_floats:if-false:af19": (
     "with no floating leaf the forced path runs _scaled_backward on an empty list (the identity, a zero cotangent for the scale) and unflattens the same leaves: equal outputs and gradients"
   ),
-  "_higher_order:_common_float:reduce:all->any:ebf5": (
+  "_branches:_common_float:reduce:all->any:ebf5": (
     "a cond output has one declared dtype in every branch and autocast moves floats only among float16, bfloat16 and float32, so its branch dtypes are all eligible or none is, and any equals all"
   ),
-  "_higher_order:_cast_outputs:if-false:6c4c": (
+  "_branches:_cast_outputs:if-false:6c4c": (
     "a fast path: when every output is already in its target dtype the re-traced branch casts nothing and computes the same outputs, so skipping the early return costs only a trace"
   ),
-  "_higher_order:_eval_shard_map:cmp-negate:6299": (
+  "_calls:shard_map:cmp-negate:6299": (
     "with no traced equation selected the fallback runs, which evaluates the same shard_map the public constructor just traced (the fast path only swaps that body into the original equation): the same outputs and facts"
   ),
-  "_higher_order:_eval_shard_map:cmp-negate:16a9": (
-    "as _higher_order:_eval_shard_map:cmp-negate:6299: the outer trace is one shard_map equation, and the negated test only forces the fallback, which evaluates that same shard_map"
+  "_calls:shard_map:cmp-negate:16a9": (
+    "as _calls:shard_map:cmp-negate:6299: the outer trace is one shard_map equation, and the negated test only forces the fallback, which evaluates that same shard_map"
   ),
-  "_higher_order:_eval_shard_map:if-true:5eae": (
-    "as _higher_order:_eval_shard_map:cmp-negate:6299: always taking the fallback evaluates the traced shard_map, the computation the fast path binds, losing only the reuse of the original equation"
+  "_calls:shard_map:if-true:5eae": (
+    "as _calls:shard_map:cmp-negate:6299: always taking the fallback evaluates the traced shard_map, the computation the fast path binds, losing only the reuse of the original equation"
   ),
-  "_higher_order:_eval_shard_map:cmp-negate:717e": (
-    "as _higher_order:_eval_shard_map:cmp-negate:6299: with exactly one traced shard_map the negated test only forces the fallback, which evaluates that same shard_map"
+  "_calls:shard_map:cmp-negate:717e": (
+    "as _calls:shard_map:cmp-negate:6299: with exactly one traced shard_map the negated test only forces the fallback, which evaluates that same shard_map"
   ),
   "_underflow:_arrays_only:if-false:302e": (
     "with no static leaf the wrapper's combine rebuilds the tree it is given (same treedef, same leaves): the loss sees equal params and the report is the same, at the cost of a re-flatten"
@@ -1320,11 +1320,11 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_values:cast:if-false:e414": (
     "tests/test_autocast_edges.py::test_a_value_already_in_the_target_dtype_keeps_its_weak_type",
   ),
-  "_higher_order:_unspecified:cmp-negate:f8c4": (
+  "_calls:_unspecified:cmp-negate:f8c4": (
     "tests/test_autocast_higher_order.py::"
     "test_a_sharded_jit_whose_body_holds_a_constant_leaves_the_constant_unsharded[w_unspecified]",
   ),
-  "_higher_order:_abstract:drop-kwarg:sharding:1d3d": (
+  "_custom:_abstract:drop-kwarg:sharding:1d3d": (
     "tests/test_autocast_edges.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
     "[AxisType.Explicit]",
   ),
