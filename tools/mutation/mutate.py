@@ -589,18 +589,25 @@ def affinity(module_file: str) -> tuple[str, ...]:
   files = []
   for m in MUTANTS:
     if m.file == module_file:
-      files += [t.split("::")[0] for t in m.tests if t.startswith("tests/test_")]
+      files += [t.split("::")[0] for t in m.tests if t.startswith("tests/")]
   stem = os.path.splitext(os.path.basename(module_file))[0].lstrip("_")
   files.append(f"tests/test_{stem}.py")
+  if "/_autocast/_rules/" in module_file:  # a room's tests mirror it (tests/autocast/)
+    files.append(f"tests/autocast/test_rules_{stem}.py")
   return tuple(dict.fromkeys(files))
 
 
 def _coverage_tests(root: str) -> list[str]:
-  return [
-    f"tests/{n}"
-    for n in sorted(os.listdir(os.path.join(root, "tests")))
-    if n.startswith("test_") and n.endswith(".py") and n not in COVERAGE_EXCLUDE
-  ]
+  """Every test file of ``tests/`` and its subfolders (``tests/autocast/``), less the excluded."""
+  found = []
+  for folder, subfolders, names in os.walk(os.path.join(root, "tests")):
+    subfolders.sort()
+    found += [
+      os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/")
+      for n in names
+      if n.startswith("test_") and n.endswith(".py") and n not in COVERAGE_EXCLUDE
+    ]
+  return sorted(found)
 
 
 def main(argv=None) -> int:
