@@ -1,7 +1,7 @@
 """What the autocast interpreter computes with: values with their facts, casts, binds.
 
 Each value of an interpreted jaxpr is a :class:`Val`: the array and the :class:`Facts`
-known of it. This module also holds the small operations every handler shares: casting
+known of it. This module also holds the small operations every rule shares: casting
 (:func:`cast`, :func:`cast_to_declared`, :func:`torch_promote`), rebinding an equation
 under its own name stack and source line (:func:`at`, :func:`bind`), hoisting a
 sub-jaxpr's consts (:func:`hoist`), reading an equation's parameters across JAX versions
