@@ -25,14 +25,14 @@ before any test module, and so before this one, is imported).
 * :func:`rand`, :func:`transformer_params`, :func:`transformer_layers`,
   :func:`transformer_tokens`, :data:`TORCH_CUDA_LAYER_DTYPES`: a one-block decoder that
   returns every layer's output, and each layer's dtype under CUDA ``torch.autocast``
-  (``tests/test_autocast.py``, ``tests/test_autocast_torch.py``).
+  (``tests/autocast/test_api_autocast.py``, ``tests/autocast/test_torch_policy.py``).
 * :func:`tanh_custom_vjp`: ``tanh`` as a user's ``jax.custom_vjp`` (its output saved as the
-  residual), counting its backward's calls (``tests/test_autocast*.py``).
+  residual), counting its backward's calls (``tests/autocast/test_api_autocast*.py``).
 * :func:`tap_number`, :func:`block_counts`: an automatic tap's program-order counter, and
   ``check_underflow``'s counts per block of a scanned model or its unrolled twin
   (``tests/test_underflow_scan.py``, ``tests/test_underflow_scan_flax.py``).
 * :data:`DEVIATIONS`: the autocast zoo's cases where autocast deliberately differs from
-  torch (``tests/test_autocast_zoo.py``, ``tests/test_autocast_guide.py``).
+  torch (``tests/autocast/test_zoo.py``, ``tests/autocast/test_guide.py``).
 """
 
 import importlib
@@ -218,7 +218,7 @@ def calibrated_iterations(x, seconds=1.0):
   return int(min(max(n * seconds / dt, 64), 1_000_000))
 
 
-# -- the one-block decoder of tests/test_autocast.py and tests/test_autocast_torch.py ------
+# -- the one-block decoder of tests/autocast/test_api_autocast.py and tests/autocast/test_torch_policy.py ------
 
 _F16, _F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -332,10 +332,10 @@ def transformer_tokens(t=6, v=11):
   return tokens, (tokens + 1) % v
 
 
-# -- the autocast zoo (tests/test_autocast_zoo.py) ---------------------------------------
+# -- the autocast zoo (tests/autocast/test_zoo.py) ---------------------------------------
 
 #: Where autocast deliberately differs from torch, each stated in docs/guides/autocast.md
-#: (``tests/test_autocast_zoo.py``'s cases, checked there and in ``test_autocast_guide.py``):
+#: (``tests/autocast/test_zoo.py``'s cases, checked there and in ``tests/autocast/test_guide.py``):
 #: case -> (autocast's dtype for the outputs that differ, why, the guide's words).
 DEVIATIONS: dict[str, tuple[dict[str, np.dtype], str, str]] = {
   "mean": (
