@@ -1123,12 +1123,8 @@ EQUIVALENT: dict[str, str] = {
   "_calls:jit:if-true:040b": (
     "with no constants, k = 0 and every parameter is rebuilt as an equal tuple"
   ),
-  "_calls:jit:if-true:1007": (
-    "jit's equation always has in_layouts (jax 0.10 and 0.12)"
-  ),
-  "_calls:jit:if-true:ab19": (
-    "jit's equation always has donated_invars (jax 0.10 and 0.12)"
-  ),
+  "_calls:jit:if-true:1007": ("jit's equation always has in_layouts (jax 0.10 and 0.12)"),
+  "_calls:jit:if-true:ab19": ("jit's equation always has donated_invars (jax 0.10 and 0.12)"),
   "_calls:_unspecified:if-true:9db6": (
     "UNSPECIFIED is JAX's only UnspecifiedValue instance, so the one found is the one imported"
   ),
