@@ -481,3 +481,8 @@ def half(x):
 def not_checked(report):
   """``report.not_checked`` as plain ints, to compare with ``==``."""
   return {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()}
+
+
+def rand_dtype(seed, shape, dtype=jnp.float32):
+  """A standard normal array of ``shape`` from key ``seed``, drawn in float32, cast to ``dtype``."""
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)

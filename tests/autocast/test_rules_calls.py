@@ -11,9 +11,11 @@ from helpers import eqn_named as _eqn
 from helpers import half as _half
 from helpers import not_checked as _not_checked
 from helpers import rand
+from helpers import rand_dtype as _rand
 from helpers import scaled_by_table as _scaled
 from helpers import scaled_by_table_by_hand as _scaled_by_hand
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale._autocast import autocast
 from jax_lossscale.diagnostics import check_underflow
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
@@ -133,3 +136,34 @@ def test_check_underflow_counts_the_ops_inside_a_shard_map_holding_a_constant_on
 
   with jax.set_mesh(mesh):
     assert _not_checked(check_underflow(jls.autocast(loss), w, x)) == {"shard_map": (1, 1)}
+
+
+def test_shard_map_blocks_follow_the_declared_in_specs():
+  # The input is not sharded: only the declared in_specs split it into per-device blocks.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+  x = jnp.arange(8.0, dtype=jnp.float32)
+  w = _rand(0, (1, 1))
+
+  def f(x, w):
+    body = jax.shard_map(
+      lambda a, w: (a[:, None] @ w)[:, 0] * lax.axis_index("d").astype(jnp.float32),
+      mesh=mesh,
+      in_specs=(P("d"), P()),
+      out_specs=P("d"),
+    )
+    return body(x, w)
+
+  out = autocast(f)(x, w)
+  assert out.dtype == F16 and out.shape == (8,)
+  ref = (x.astype(F16) * w[0, 0].astype(F16)) * jnp.arange(8.0, dtype=F16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_bias_added_to_a_nested_jits_matmul_stays_float16():
+  # The lower-precision flag of a jit's output crosses the jit: x @ w inside, + b outside.
+  x, w, b = _rand(0, (2, 3)), _rand(1, (3, 4)), _rand(2, (4,))
+  f = lambda x, w, b: jax.jit(lambda x, w: x @ w)(x, w) + b
+  out = autocast(f)(x, w, b)
+  assert out.dtype == F16
+  ref = x.astype(F16) @ w.astype(F16) + b.astype(F16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))

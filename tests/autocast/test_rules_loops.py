@@ -7,6 +7,7 @@ cond runs under the policy, and a constant of its cond and body is hoisted into 
 from helpers import eqn_named as _eqn
 from helpers import half as _half
 from helpers import rand
+from helpers import rand_dtype as _rand
 from helpers import scaled_by_table as _scaled
 from helpers import scaled_by_table_by_hand as _scaled_by_hand
 from jax import lax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_lossscale as jls
+from jax_lossscale._autocast import autocast
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -134,3 +136,21 @@ def test_a_while_whose_cond_and_body_hold_a_constant_takes_it_in_each():
   assert int(n) == want_n > 1
   assert h.dtype == F32
   np.testing.assert_array_equal(h, want_h)
+
+
+def test_a_reverse_scan_keeps_its_direction():
+  # scan(reverse=True) is the forward scan over the reversed sequence, its outputs
+  # reversed back; under autocast too (each step a float16 matmul).
+  ws, x = _rand(0, (3, 4, 4)), _rand(1, (2, 4))
+
+  def body(h, w):
+    h = jnp.tanh(h @ w)
+    return h, h
+
+  backwards = autocast(lambda ws, x: lax.scan(body, x, ws, reverse=True))(ws, x)
+  by_hand = autocast(lambda ws, x: lax.scan(body, x, ws[::-1]))(ws, x)
+  forwards = autocast(lambda ws, x: lax.scan(body, x, ws))(ws, x)
+  np.testing.assert_array_equal(np.asarray(backwards[0]), np.asarray(by_hand[0]))
+  np.testing.assert_array_equal(np.asarray(backwards[1]), np.asarray(by_hand[1][::-1]))
+  assert backwards[1].dtype == by_hand[1].dtype == F16
+  assert not np.array_equal(np.asarray(backwards[0]), np.asarray(forwards[0]))
