@@ -486,3 +486,22 @@ def not_checked(report):
 def rand_dtype(seed, shape, dtype=jnp.float32):
   """A standard normal array of ``shape`` from key ``seed``, drawn in float32, cast to ``dtype``."""
   return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def eqns_named(closed, name):
+  """The ``name`` equations of the closed jaxpr ``closed``, in its sub-jaxprs too, in order."""
+  out = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == name:
+        out.append(e)
+      for p in e.params.values():
+        for q in p if isinstance(p, (tuple, list)) else (p,):
+          if hasattr(q, "eqns"):
+            walk(q)
+          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
+            walk(q.jaxpr)
+
+  walk(closed.jaxpr)
+  return out

@@ -1,12 +1,9 @@
 """Edge cases of autocast's promotion and dispatch (found by mutation testing)."""
 
 from helpers import rand_dtype as _rand
-from helpers import tanh_custom_vjp
 import jax
 from jax import lax
 import jax.numpy as jnp
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -51,24 +48,6 @@ def test_a_key_error_inside_a_handler_is_not_taken_for_a_missing_parameter(monke
   f = lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x)
   with pytest.raises(KeyError, match="not_a_parameter"):
     autocast(f)(True, jnp.ones(3))
-
-
-_tanh_vjp = tanh_custom_vjp()
-
-
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=str)
-def test_a_custom_vjp_backward_sees_its_residuals_sharding(axis_type):
-  # The backward is traced again for its residuals and cotangents with their shardings:
-  # on an Explicit mesh a sharded residual traced as unsharded is a type error.
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
-  x = jax.device_put(_rand(0, (8, 4)), jax.NamedSharding(mesh, P("data")))
-  w = jax.device_put(_rand(1, (4, 6)), jax.NamedSharding(mesh, P(None, "model")))
-  f = lambda x, w: jnp.sum(_tanh_vjp(x @ w).astype(jnp.float32))
-  with jax.set_mesh(mesh):
-    g = jax.jit(jax.grad(autocast(f), argnums=1))(x, w)
-    ref = jax.jit(jax.grad(lambda x, w: f(x.astype(F16), w.astype(F16)), argnums=1))(x, w)
-  assert g.dtype == F32 and g.sharding.spec == P(None, "model")
-  np.testing.assert_array_equal(np.asarray(g), np.asarray(ref))
 
 
 def test_a_value_already_in_the_target_dtype_keeps_its_weak_type():
@@ -133,152 +112,6 @@ def test_autocast_spec_is_none_for_an_attribute_of_another_type():
   assert spec is not None and spec.fun is f and spec.dtype == F16
 
 
-# -- parameters of the re-built higher-order primitives -------------------------------
-
-
-def _eqns(closed, name):
-  out = []
-
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == name:
-        out.append(e)
-      for p in e.params.values():
-        for q in p if isinstance(p, (tuple, list)) else (p,):
-          if hasattr(q, "eqns"):
-            walk(q)
-          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
-            walk(q.jaxpr)
-
-  walk(closed.jaxpr)
-  return out
-
-
-def _inner(eqns, mark="lambda"):
-  return [e for e in eqns if mark in str(e.params.get("name", mark))]
-
-
-def test_a_nested_jit_keeps_inline_keep_unused_and_a_partial_in_sharding():
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-  s = jax.NamedSharding(mesh, P("d"))
-  x = jax.device_put(_rand(0, (8, 4)), s)
-  w = _rand(1, (4, 4))
-  # inline=True survives staging only with a sharding; keep_unused keeps `u`.
-  inline = jax.jit(
-    lambda a, w: (a @ w, w), inline=True, in_shardings=(s, None), out_shardings=(s, None)
-  )
-  unused = jax.jit(lambda a, u: a * 2.0, keep_unused=True)
-  f = lambda x, w: unused(inline(x, w)[0], w)
-  with jax.set_mesh(mesh):
-    ours = _inner(_eqns(jax.make_jaxpr(autocast(f))(x, w), "jit"))
-    theirs = _inner(_eqns(jax.make_jaxpr(f)(x, w), "jit"))
-    out = autocast(f)(x, w)
-  assert len(ours) == len(theirs) == 2
-  for a, b in zip(ours, theirs, strict=True):
-    assert a.params["inline"] == b.params["inline"]
-    assert a.params["keep_unused"] == b.params["keep_unused"]
-  # jax <= 0.10 spells `inline` as a bool; jax >= 0.11 as an enum (True is JAX_LATE).
-  inline_params = [str(getattr(e.params["inline"], "value", e.params["inline"])) for e in ours]
-  assert inline_params in (["True", "False"], ["jax_late", "auto"]), inline_params
-  assert [e.params["keep_unused"] for e in ours] == [False, True]
-  assert ours[0].params["in_shardings"][0].spec == P("d")
-  assert ours[0].params["out_shardings"][0].spec == P("d")
-  assert out.dtype == F16
-  np.testing.assert_array_equal(
-    np.asarray(out), np.asarray((x.astype(F16) @ w.astype(F16)) * jnp.float16(2))
-  )
-
-
-def test_remat_keeps_its_policy_and_prevent_cse():
-  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-  f = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), policy=policy)(x))
-  g = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), prevent_cse=False)(x))
-  x, w = _rand(0, (3, 4)), _rand(1, (4, 4))
-  name = jax.make_jaxpr(f)(x, w).jaxpr.eqns[0].primitive.name
-  (a,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), name)
-  (b,) = _eqns(jax.make_jaxpr(autocast(g))(x, w), name)
-  assert a.params["policy"] is policy and a.params["prevent_cse"] is True
-  assert b.params["policy"] is None and b.params["prevent_cse"] is False
-
-
-def test_scan_keeps_its_unroll():
-  ws, x = _rand(0, (4, 3, 3)), _rand(1, (2, 3))
-  f = lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws, unroll=2)[0]
-  (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(ws, x), "scan")
-  assert eqn.params["unroll"] == 2
-  np.testing.assert_array_equal(
-    np.asarray(autocast(f)(ws, x)),
-    np.asarray(
-      autocast(lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])(ws, x)
-    ),
-  )
-
-
-def test_shard_map_keeps_its_manual_axes_and_check_vma():
-  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
-  x = jax.device_put(_rand(0, (8, 4)), jax.NamedSharding(mesh, P("a")))
-  w = _rand(1, (4, 4))
-  # Manual over `a` only; the body's per-device result is declared replicated, which
-  # only check_vma=False allows.
-  body = lambda a, w: jnp.sum(a @ w, axis=0, keepdims=True)
-  f = lambda x, w: jax.shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(P("a"), P()),
-    out_specs=P(),
-    axis_names={"a"},
-    check_vma=False,
-  )(x, w)
-  with jax.set_mesh(mesh):
-    (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), "shard_map")
-    (ref,) = _eqns(jax.make_jaxpr(f)(x, w), "shard_map")
-    out = autocast(f)(x, w)
-  manual = "newly_manual_axes" if "newly_manual_axes" in ref.params else "manual_axes"  # jax 0.9
-  assert eqn.params[manual] == ref.params[manual] == frozenset({"a"})
-  assert eqn.params["check_vma"] is False
-  assert out.dtype == F32 and out.shape == (1, 4)  # a float16 matmul, a float32 sum
-  first = jnp.sum(
-    (_rand(0, (8, 4))[:2].astype(F16) @ w.astype(F16)).astype(F32), axis=0, keepdims=True
-  )
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(first))
-
-
-# -- custom_jvp symbolic zeros -----------------------------------------------------------
-
-
-@jax.custom_jvp
-def _sin_cos_argmax(x):
-  return jnp.sin(x), jnp.cos(x), jnp.argmax(x)
-
-
-def _sin_cos_argmax_jvp(primals, tangents):
-  (x,), (t,) = primals, tangents
-  out = _sin_cos_argmax(x)
-  zero = jax.custom_derivatives.SymbolicZero
-  return out, (
-    jnp.cos(x) * t,
-    zero(jax.typeof(out[1]).to_tangent_aval()),
-    zero(jax.typeof(out[2]).to_tangent_aval()),
-  )
-
-
-_sin_cos_argmax.defjvp(_sin_cos_argmax_jvp, symbolic_zeros=True)
-
-
-def test_a_custom_jvp_rules_symbolic_zero_tangents_come_back_as_zeros():
-  # A symbolic-zero tangent of a float output is a float zero of its dtype; that of an
-  # integer output is float0; the nonzero tangent is the rule's.
-  x = jnp.array([0.5, 2.0, -1.0])
-  ours = jax.jvp(autocast(_sin_cos_argmax), (x,), (jnp.ones(3),))
-  theirs = jax.jvp(_sin_cos_argmax, (x,), (jnp.ones(3),))
-  (t0, t1, t2), (r0, r1, r2) = ours[1], theirs[1]
-  np.testing.assert_array_equal(np.asarray(t0), np.asarray(r0))
-  assert t1.dtype == F32 and t1.shape == (3,)
-  np.testing.assert_array_equal(np.asarray(t1), np.asarray(r1))
-  np.testing.assert_array_equal(np.asarray(t1), np.zeros(3, np.float32))
-  assert t2.dtype == r2.dtype == jax.dtypes.float0
-
-
 # -- dispatch and the lower-precision flags ---------------------------------------------
 
 
@@ -310,32 +143,6 @@ def test_primitives_with_declared_dtypes_get_their_operands_back_in_them():
     np.asarray(r), np.asarray(lax.reduce_precision(h[0, 0], exponent_bits=5, mantissa_bits=2))
   )
   np.testing.assert_array_equal(np.asarray(cb), np.asarray(h) * 2)
-
-
-@jax.custom_vjp
-def _times_count(x, n):
-  return x * n.astype(x.dtype)
-
-
-def _times_count_fwd(x, n):
-  return _times_count(x, n), n
-
-
-def _times_count_bwd(n, g):
-  # The cotangent of an integer argument written out as float0 zeros (not None).
-  return g * n.astype(g.dtype), np.zeros(np.shape(n), jax.dtypes.float0)
-
-
-_times_count.defvjp(_times_count_fwd, _times_count_bwd)
-
-
-def test_a_custom_vjp_backwards_float0_cotangent_for_an_integer_argument_is_dropped():
-  x, w, n = _rand(0, (2, 3)), _rand(1, (3, 4)), jnp.int32(3)
-  f = lambda x, w, n: jnp.sum(_times_count(x @ w, n).astype(jnp.float32))
-  gw, gn = jax.grad(autocast(f), argnums=(1, 2), allow_int=True)(x, w, n)
-  assert gw.dtype == F32 and gn.dtype == jax.dtypes.float0
-  ref = jax.grad(lambda w: jnp.sum((x.astype(F16) @ w.astype(F16) * jnp.float16(3)).astype(F32)))(w)
-  np.testing.assert_array_equal(np.asarray(gw), np.asarray(ref))
 
 
 def test_an_autocast_op_outside_autocast_is_the_function_itself():

@@ -8,6 +8,7 @@ The cases where autocast is wrong today are ``xfail(strict=True)``, with the rea
 """
 
 from helpers import eqn_named as _eqn
+from helpers import eqns_named as _eqns
 from helpers import half as _half
 from helpers import not_checked as _not_checked
 from helpers import rand
@@ -167,3 +168,79 @@ def test_a_bias_added_to_a_nested_jits_matmul_stays_float16():
   assert out.dtype == F16
   ref = x.astype(F16) @ w.astype(F16) + b.astype(F16)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def _inner(eqns, mark="lambda"):
+  return [e for e in eqns if mark in str(e.params.get("name", mark))]
+
+
+def test_a_nested_jit_keeps_inline_keep_unused_and_a_partial_in_sharding():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+  s = jax.NamedSharding(mesh, P("d"))
+  x = jax.device_put(_rand(0, (8, 4)), s)
+  w = _rand(1, (4, 4))
+  # inline=True survives staging only with a sharding; keep_unused keeps `u`.
+  inline = jax.jit(
+    lambda a, w: (a @ w, w), inline=True, in_shardings=(s, None), out_shardings=(s, None)
+  )
+  unused = jax.jit(lambda a, u: a * 2.0, keep_unused=True)
+  f = lambda x, w: unused(inline(x, w)[0], w)
+  with jax.set_mesh(mesh):
+    ours = _inner(_eqns(jax.make_jaxpr(autocast(f))(x, w), "jit"))
+    theirs = _inner(_eqns(jax.make_jaxpr(f)(x, w), "jit"))
+    out = autocast(f)(x, w)
+  assert len(ours) == len(theirs) == 2
+  for a, b in zip(ours, theirs, strict=True):
+    assert a.params["inline"] == b.params["inline"]
+    assert a.params["keep_unused"] == b.params["keep_unused"]
+  # jax <= 0.10 spells `inline` as a bool; jax >= 0.11 as an enum (True is JAX_LATE).
+  inline_params = [str(getattr(e.params["inline"], "value", e.params["inline"])) for e in ours]
+  assert inline_params in (["True", "False"], ["jax_late", "auto"]), inline_params
+  assert [e.params["keep_unused"] for e in ours] == [False, True]
+  assert ours[0].params["in_shardings"][0].spec == P("d")
+  assert ours[0].params["out_shardings"][0].spec == P("d")
+  assert out.dtype == F16
+  np.testing.assert_array_equal(
+    np.asarray(out), np.asarray((x.astype(F16) @ w.astype(F16)) * jnp.float16(2))
+  )
+
+
+def test_remat_keeps_its_policy_and_prevent_cse():
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  f = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), policy=policy)(x))
+  g = lambda x, w: jnp.sum(jax.checkpoint(lambda h: jnp.tanh(h @ w), prevent_cse=False)(x))
+  x, w = _rand(0, (3, 4)), _rand(1, (4, 4))
+  name = jax.make_jaxpr(f)(x, w).jaxpr.eqns[0].primitive.name
+  (a,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), name)
+  (b,) = _eqns(jax.make_jaxpr(autocast(g))(x, w), name)
+  assert a.params["policy"] is policy and a.params["prevent_cse"] is True
+  assert b.params["policy"] is None and b.params["prevent_cse"] is False
+
+
+def test_shard_map_keeps_its_manual_axes_and_check_vma():
+  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+  x = jax.device_put(_rand(0, (8, 4)), jax.NamedSharding(mesh, P("a")))
+  w = _rand(1, (4, 4))
+  # Manual over `a` only; the body's per-device result is declared replicated, which
+  # only check_vma=False allows.
+  body = lambda a, w: jnp.sum(a @ w, axis=0, keepdims=True)
+  f = lambda x, w: jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(P("a"), P()),
+    out_specs=P(),
+    axis_names={"a"},
+    check_vma=False,
+  )(x, w)
+  with jax.set_mesh(mesh):
+    (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(x, w), "shard_map")
+    (ref,) = _eqns(jax.make_jaxpr(f)(x, w), "shard_map")
+    out = autocast(f)(x, w)
+  manual = "newly_manual_axes" if "newly_manual_axes" in ref.params else "manual_axes"  # jax 0.9
+  assert eqn.params[manual] == ref.params[manual] == frozenset({"a"})
+  assert eqn.params["check_vma"] is False
+  assert out.dtype == F32 and out.shape == (1, 4)  # a float16 matmul, a float32 sum
+  first = jnp.sum(
+    (_rand(0, (8, 4))[:2].astype(F16) @ w.astype(F16)).astype(F32), axis=0, keepdims=True
+  )
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(first))

@@ -5,11 +5,13 @@ cond runs under the policy, and a constant of its cond and body is hoisted into 
 """
 
 from helpers import eqn_named as _eqn
+from helpers import eqns_named as _eqns
 from helpers import half as _half
 from helpers import rand
 from helpers import rand_dtype as _rand
 from helpers import scaled_by_table as _scaled
 from helpers import scaled_by_table_by_hand as _scaled_by_hand
+import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,16 @@ def test_a_reverse_scan_keeps_its_direction():
   np.testing.assert_array_equal(np.asarray(backwards[1]), np.asarray(by_hand[1][::-1]))
   assert backwards[1].dtype == by_hand[1].dtype == F16
   assert not np.array_equal(np.asarray(backwards[0]), np.asarray(forwards[0]))
+
+
+def test_scan_keeps_its_unroll():
+  ws, x = _rand(0, (4, 3, 3)), _rand(1, (2, 3))
+  f = lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws, unroll=2)[0]
+  (eqn,) = _eqns(jax.make_jaxpr(autocast(f))(ws, x), "scan")
+  assert eqn.params["unroll"] == 2
+  np.testing.assert_array_equal(
+    np.asarray(autocast(f)(ws, x)),
+    np.asarray(
+      autocast(lambda ws, x: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0])(ws, x)
+    ),
+  )

@@ -1136,7 +1136,7 @@ EQUIVALENT: dict[str, str] = {
   ),
   # session 10: _policy, _primitives, _registrations
   "_policy:_default_policy:if-false:56b6": (
-    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/autocast/test_rules_through_primitives.py::test_log2_takes_the_rule_of_the_log_row kills it"
+    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/autocast/test_policy_through_higher_order.py::test_log2_takes_the_rule_of_the_log_row kills it"
   ),
   "_policy:nearest:drop-kwarg:cutoff:cbd9": ("0.6 is difflib.get_close_matches' default cutoff"),
   "_policy:nearest:drop-kwarg:n:aaba": ("3 is difflib.get_close_matches' default n"),
@@ -1321,7 +1321,7 @@ PINNED: dict[str, tuple[str, ...]] = {
     "test_a_sharded_jit_whose_body_holds_a_constant_leaves_the_constant_unsharded[w_unspecified]",
   ),
   "_custom:_abstract:drop-kwarg:sharding:1d3d": (
-    "tests/autocast/test_edge_cases.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
+    "tests/autocast/test_rules_custom.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
     "[AxisType.Explicit]",
   ),
   # jax_lossscale/__init__.py: its lazy `flax` runs in a fresh process (no coverage there)
