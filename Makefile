@@ -90,7 +90,7 @@ test-compat: $(COMPAT_STAMP)
 # kinds, check_underflow, the guard, sharding and multi-device, the Flax, NNX and Equinox
 # integrations). Not the whole suite: it does not fit .ci/run's time on 2 cores (~15 minutes
 # here with the install). Exempt (JAX_LOSSSCALE_CI_OPTIONAL), and printed: torch (no CPU
-# wheel for this Python on the index; tests/test_autocast_torch.py is left out), the
+# wheel for this Python on the index; tests/autocast/test_torch_policy.py is left out), the
 # public models' packages (jax_resnet, jraph, transformers: tests/test_public_models.py is
 # not in the subset), and each of NEWEST_OPTIONAL that pip cannot install there.
 NEWEST_VENV     := .venv-newest

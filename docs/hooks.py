@@ -16,7 +16,7 @@
   namespaces (``jax_lossscale/<name>.py``) has no ``::: jax_lossscale...`` entry in ``docs/api/``.
 
 ``tests/test_docs.py`` calls :func:`public_names`, :func:`missing_api_entries` and
-:func:`benchmark_tables` too; ``tests/test_autocast_guide.py`` calls :func:`autocast_tables`.
+:func:`benchmark_tables` too; ``tests/autocast/test_guide.py`` calls :func:`autocast_tables`.
 """
 
 from __future__ import annotations

@@ -25,14 +25,18 @@ before any test module, and so before this one, is imported).
 * :func:`rand`, :func:`transformer_params`, :func:`transformer_layers`,
   :func:`transformer_tokens`, :data:`TORCH_CUDA_LAYER_DTYPES`: a one-block decoder that
   returns every layer's output, and each layer's dtype under CUDA ``torch.autocast``
-  (``tests/test_autocast.py``, ``tests/test_autocast_torch.py``).
+  (``tests/autocast/test_api_autocast.py``, ``tests/autocast/test_torch_policy.py``).
 * :func:`tanh_custom_vjp`: ``tanh`` as a user's ``jax.custom_vjp`` (its output saved as the
-  residual), counting its backward's calls (``tests/test_autocast*.py``).
+  residual), counting its backward's calls (``tests/autocast/``).
 * :func:`tap_number`, :func:`block_counts`: an automatic tap's program-order counter, and
   ``check_underflow``'s counts per block of a scanned model or its unrolled twin
   (``tests/test_underflow_scan.py``, ``tests/test_underflow_scan_flax.py``).
+* :data:`TABLE`, :func:`scaled_by_table` (and by hand), :func:`eqn_named`, :func:`half`,
+  :func:`not_checked`: an ``autocast_op`` closing over an array (a constant its rule hoists),
+  one equation of a jaxpr, and ``check_underflow``'s unchecked counts
+  (``tests/autocast/test_rules_{calls,loops,branches,custom}.py``).
 * :data:`DEVIATIONS`: the autocast zoo's cases where autocast deliberately differs from
-  torch (``tests/test_autocast_zoo.py``, ``tests/test_autocast_guide.py``).
+  torch (``tests/autocast/test_zoo.py``, ``tests/autocast/test_guide.py``).
 """
 
 import importlib
@@ -48,6 +52,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jax_lossscale as jls
 
 #: The repository's root.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -218,7 +224,7 @@ def calibrated_iterations(x, seconds=1.0):
   return int(min(max(n * seconds / dt, 64), 1_000_000))
 
 
-# -- the one-block decoder of tests/test_autocast.py and tests/test_autocast_torch.py ------
+# -- the one-block decoder of tests/autocast/test_api_autocast.py and tests/autocast/test_torch_policy.py ------
 
 _F16, _F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 
@@ -332,10 +338,10 @@ def transformer_tokens(t=6, v=11):
   return tokens, (tokens + 1) % v
 
 
-# -- the autocast zoo (tests/test_autocast_zoo.py) ---------------------------------------
+# -- the autocast zoo (tests/autocast/test_zoo.py) ---------------------------------------
 
 #: Where autocast deliberately differs from torch, each stated in docs/guides/autocast.md
-#: (``tests/test_autocast_zoo.py``'s cases, checked there and in ``test_autocast_guide.py``):
+#: (``tests/autocast/test_zoo.py``'s cases, checked there and in ``tests/autocast/test_guide.py``):
 #: case -> (autocast's dtype for the outputs that differ, why, the guide's words).
 DEVIATIONS: dict[str, tuple[dict[str, np.dtype], str, str]] = {
   "mean": (
@@ -436,3 +442,66 @@ def assert_worst_layer_inside_scan(report, unrolled) -> str:
   assert "not checked" not in verdict
   assert max(unrolled.fractions().values()) == fractions[worst]
   return verdict
+
+
+# -- the higher-order rules' tests (tests/autocast/test_rules_{calls,loops,branches,custom}.py)
+
+TABLE = jnp.arange(1.0, 5.0, dtype=jnp.float32)
+
+
+@jls.autocast_op(rule="float32")
+def scaled_by_table(h):
+  """A float32 op closing over an array: under autocast each interpreted body that calls
+  it holds ``TABLE`` as a constant, which its handler hoists into a leading input."""
+  return h * TABLE
+
+
+def scaled_by_table_by_hand(h16):
+  """:func:`scaled_by_table` of a float16 ``h16``, cast by hand."""
+  return h16.astype(np.float32) * TABLE
+
+
+def eqn_named(fun, *args, name, jit_name=None):
+  """The one ``name`` equation of ``fun``'s jaxpr (nested too); for a ``jit``, the one
+  named ``jit_name``."""
+  found = [
+    e
+    for e in all_eqns(jax.make_jaxpr(fun)(*args).jaxpr)
+    if e.primitive.name == name and (jit_name is None or str(e.params["name"]) == jit_name)
+  ]
+  assert len(found) == 1, found
+  return found[0]
+
+
+def half(x):
+  """``x`` in float16."""
+  return x.astype(np.float16)
+
+
+def not_checked(report):
+  """``report.not_checked`` as plain ints, to compare with ``==``."""
+  return {k: tuple(int(v) for v in n) for k, n in report.not_checked.items()}
+
+
+def rand_dtype(seed, shape, dtype=jnp.float32):
+  """A standard normal array of ``shape`` from key ``seed``, drawn in float32, cast to ``dtype``."""
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def eqns_named(closed, name):
+  """The ``name`` equations of the closed jaxpr ``closed``, in its sub-jaxprs too, in order."""
+  out = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == name:
+        out.append(e)
+      for p in e.params.values():
+        for q in p if isinstance(p, (tuple, list)) else (p,):
+          if hasattr(q, "eqns"):
+            walk(q)
+          elif hasattr(q, "jaxpr") and hasattr(q.jaxpr, "eqns"):
+            walk(q.jaxpr)
+
+  walk(closed.jaxpr)
+  return out

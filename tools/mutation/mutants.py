@@ -1091,7 +1091,7 @@ EQUIVALENT: dict[str, str] = {
     "fun_name always equals the marker's name here, so this re-traces every marker (as _composite:_marker_call:if-true:65cc) and skips the re-trace only where the monkeypatched test hides fun_name (where the first trace is right)"
   ),
   "_loops:_scan_layout:cmp-negate:6f5f": (
-    "jax 0.10's scan has num_consts, so both spellings read it; on jax 0.12 (ft_in) tests/test_autocast_higher_order.py::test_a_scan_whose_body_holds_a_constant_takes_it_as_a_leading_const kills it"
+    "jax 0.10's scan has num_consts, so both spellings read it; on jax 0.12 (ft_in) tests/autocast/test_rules_loops.py::test_a_scan_whose_body_holds_a_constant_takes_it_as_a_leading_const kills it"
   ),
   "_loops:_scan_layout:if-true:c455": (
     "as _loops:_scan_layout:cmp-negate:6f5f: the ft_in branch runs on jax >= 0.11 only, where the same test kills it"
@@ -1109,13 +1109,13 @@ EQUIVALENT: dict[str, str] = {
     "as _loops:_scan_layout:cmp-negate:6f5f (jax >= 0.11's ft_in branch; killed there by the same test)"
   ),
   "_loops:_scan_with_leading_consts:if-false:7d01": (
-    "with k == 0 the jax 0.10 branch adds 0 consts and an empty linear prefix, the same params; on jax 0.12 tests/test_autocast_higher_order.py::test_a_rebound_scan_keeps_its_parameters kills it"
+    "with k == 0 the jax 0.10 branch adds 0 consts and an empty linear prefix, the same params; on jax 0.12 tests/autocast/test_rules_loops.py::test_a_rebound_scan_keeps_its_parameters kills it"
   ),
   "_custom:custom_vjp.bwd_rule.flat_bwd:if-false:b469": (
-    "the logs branch runs on jax >= 0.11 only (custom_vjp.defvjp_with_logs); tests/test_autocast_higher_order.py::test_a_custom_vjps_backward_rule_runs_under_the_policy kills it there"
+    "the logs branch runs on jax >= 0.11 only (custom_vjp.defvjp_with_logs); tests/autocast/test_rules_custom.py::test_a_custom_vjps_backward_rule_runs_under_the_policy kills it there"
   ),
   "_custom:custom_vjp.bwd_rule.flat_bwd:raise-to-pass:da9a": (
-    "as _custom:custom_vjp.bwd_rule.flat_bwd:if-false:b469; tests/test_autocast_higher_order.py::test_a_custom_vjp_whose_backward_rule_returns_logs_is_refused kills it on jax >= 0.11"
+    "as _custom:custom_vjp.bwd_rule.flat_bwd:if-false:b469; tests/autocast/test_rules_custom.py::test_a_custom_vjp_whose_backward_rule_returns_logs_is_refused kills it on jax >= 0.11"
   ),
   "_loops:_scan_with_leading_consts:if-false:e518": (
     "scan has no `linear` parameter in jax 0.10 or 0.12 (0.12 takes the ft_in branch), so that line never runs"
@@ -1123,12 +1123,8 @@ EQUIVALENT: dict[str, str] = {
   "_calls:jit:if-true:040b": (
     "with no constants, k = 0 and every parameter is rebuilt as an equal tuple"
   ),
-  "_calls:jit:if-true:1007": (
-    "jit's equation always has in_layouts (jax 0.10 and 0.12)"
-  ),
-  "_calls:jit:if-true:ab19": (
-    "jit's equation always has donated_invars (jax 0.10 and 0.12)"
-  ),
+  "_calls:jit:if-true:1007": ("jit's equation always has in_layouts (jax 0.10 and 0.12)"),
+  "_calls:jit:if-true:ab19": ("jit's equation always has donated_invars (jax 0.10 and 0.12)"),
   "_calls:_unspecified:if-true:9db6": (
     "UNSPECIFIED is JAX's only UnspecifiedValue instance, so the one found is the one imported"
   ),
@@ -1140,7 +1136,7 @@ EQUIVALENT: dict[str, str] = {
   ),
   # session 10: _policy, _primitives, _registrations
   "_policy:_default_policy:if-false:56b6": (
-    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/test_autocast_rules.py::test_log2_takes_the_rule_of_the_log_row kills it"
+    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/autocast/test_policy_through_higher_order.py::test_log2_takes_the_rule_of_the_log_row kills it"
   ),
   "_policy:nearest:drop-kwarg:cutoff:cbd9": ("0.6 is difflib.get_close_matches' default cutoff"),
   "_policy:nearest:drop-kwarg:n:aaba": ("3 is difflib.get_close_matches' default n"),
@@ -1318,14 +1314,14 @@ PINNED: dict[str, tuple[str, ...]] = {
   ),
   # _autocast/ (_values, _higher_order)
   "_values:cast:if-false:e414": (
-    "tests/test_autocast_edges.py::test_a_value_already_in_the_target_dtype_keeps_its_weak_type",
+    "tests/autocast/test_edge_cases.py::test_a_value_already_in_the_target_dtype_keeps_its_weak_type",
   ),
   "_calls:_unspecified:cmp-negate:f8c4": (
-    "tests/test_autocast_higher_order.py::"
+    "tests/autocast/test_rules_calls.py::"
     "test_a_sharded_jit_whose_body_holds_a_constant_leaves_the_constant_unsharded[w_unspecified]",
   ),
   "_custom:_abstract:drop-kwarg:sharding:1d3d": (
-    "tests/test_autocast_edges.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
+    "tests/autocast/test_rules_custom.py::test_a_custom_vjp_backward_sees_its_residuals_sharding"
     "[AxisType.Explicit]",
   ),
   # jax_lossscale/__init__.py: its lazy `flax` runs in a fresh process (no coverage there)

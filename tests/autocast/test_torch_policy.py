@@ -42,7 +42,7 @@ def _t(x):
 
 
 def torch_cuda_policy_layers(p, tokens, labels):
-  """The block of ``test_autocast.transformer_layers``, as CUDA autocast runs it."""
+  """The block of ``helpers.transformer_layers``, as CUDA autocast runs it."""
   T = {k: _t(v) for k, v in p.items()}
   d = T["ln1_g"].shape[0]
   out = {}

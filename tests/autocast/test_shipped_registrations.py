@@ -398,7 +398,7 @@ def _pool(h):  # as flax's avg_pool and max_pool: reduce_window sums and maxima
 
 
 def test_the_guides_layer_table_holds_under_vmap():
-  text = (Path(__file__).resolve().parent.parent / "docs/guides/autocast.md").read_text()
+  text = (Path(__file__).resolve().parents[2] / "docs/guides/autocast.md").read_text()
   body = text.split("<!-- layers-table:start -->\n")[1].split("<!-- layers-table:end -->")[0]
   rows = [
     [c.strip() for c in line.strip().strip("|").split("|")]

@@ -803,7 +803,7 @@ def test_unknown_higher_order_primitive_raises_naming_it_and_the_fix():
   def f(x):
     return hop.bind(x @ x.T, jaxpr=inner)
 
-  with pytest.raises(UnsupportedPrimitiveError, match=r"`my_new_hop` \(at .*test_autocast\.py"):
+  with pytest.raises(UnsupportedPrimitiveError, match=r"`my_new_hop` \(at .*test_api_autocast\.py"):
     autocast(f)(XS)
   with pytest.raises(AutocastError, match=r"jax_lossscale\.float32"):
     autocast(f)(XS)
@@ -885,7 +885,7 @@ def test_amp_step_with_dynamic_loss_scale():
 
 # -- the guide ----------------------------------------------------------------------
 
-GUIDE = __import__("pathlib").Path(__file__).resolve().parent.parent / "docs/guides/autocast.md"
+GUIDE = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs/guides/autocast.md"
 
 
 def _guide_blocks():
@@ -917,7 +917,7 @@ def test_autocast_example_equinox_trains():
   import runpy
   import sys
 
-  path = pathlib.Path(__file__).resolve().parent.parent / "examples/autocast_equinox.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "examples/autocast_equinox.py"
   module = runpy.run_path(str(path))
   argv = sys.argv
   try:
@@ -990,7 +990,7 @@ def test_trace_cost_example_runs_and_its_hand_cast_model_agrees(capsys):
   import pathlib
   import runpy
 
-  path = pathlib.Path(__file__).resolve().parent.parent / "examples/autocast_trace_cost.py"
+  path = pathlib.Path(__file__).resolve().parents[2] / "examples/autocast_trace_cost.py"
   module = runpy.run_path(str(path))
   module["main"](["--smoke"])
   out = capsys.readouterr().out

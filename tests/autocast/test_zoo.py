@@ -47,7 +47,7 @@ import jax_lossscale as jls
 from jax_lossscale._autocast import _values  # jaxprs_in_params on each jax version
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
-GUIDE = Path(__file__).resolve().parent.parent / "docs/guides/autocast.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs/guides/autocast.md"
 
 #: Value tolerance, as a fraction of the largest magnitude of each float32 output: 2**-7,
 #: at least 8 float16 ulps at that magnitude (an ulp is 2**-10 of the value's binade). A

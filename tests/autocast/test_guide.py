@@ -6,7 +6,7 @@
 * the deviations table names exactly the zoo's ``DEVIATIONS`` and the deviations tested
   here (:data:`GUIDE_DEVIATIONS`), each checked against torch's dtype.
 
-The guide's Python blocks run in ``tests/test_docs.py`` and ``tests/test_autocast.py``.
+The guide's Python blocks run in ``tests/test_docs.py`` and ``tests/autocast/test_api_autocast.py``.
 """
 
 import importlib.util
@@ -24,7 +24,7 @@ from jax_lossscale._autocast import _registrations
 from jax_lossscale._autocast._rules import _registry as registry
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs/guides/autocast.md"
 
 
