@@ -505,3 +505,14 @@ def eqns_named(closed, name):
 
   walk(closed.jaxpr)
   return out
+
+
+def assert_equal_in_dtype(a, b):
+  """``a`` and ``b`` have one dtype and equal values (compared in float32)."""
+  assert np.dtype(a.dtype) == np.dtype(b.dtype), (a.dtype, b.dtype)
+  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def matmul16(x, w):
+  """The float16 matmul autocast runs for ``x @ w``."""
+  return x.astype(jnp.float16) @ w.astype(jnp.float16)

@@ -809,20 +809,6 @@ def test_unknown_higher_order_primitive_raises_naming_it_and_the_fix():
     autocast(f)(XS)
 
 
-def test_a_linear_solve_runs_as_written():
-  def f(x, w):
-    a = x.T @ x + 4 * jnp.eye(4)
-    return lax.custom_linear_solve(lambda v: a @ v, w[0], lambda mv, b: b / jnp.diag(a))
-
-  out = autocast(f)(XS, W)  # its matvec and solve run on their declared float32 inputs
-  assert out.dtype == F32
-  names = {
-    e.primitive.name for e in jax.make_jaxpr(autocast(f))(XS, W).eqns[0].params["jaxpr"].eqns
-  }
-  assert "custom_linear_solve" in names
-  np.testing.assert_allclose(out, jax.jit(f)(XS, W), rtol=2e-3)  # a is a float16 matmul
-
-
 @pytest.mark.parametrize(
   ("kwargs", "error", "match"),
   [

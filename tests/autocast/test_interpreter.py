@@ -21,6 +21,9 @@ values computed by hand:
   scalar added to a larger array), however the tap itself is laid out.
 """
 
+from helpers import assert_equal_in_dtype as _eq
+from helpers import matmul16 as _mm16
+from helpers import rand as _rand
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -33,30 +36,7 @@ from jax_lossscale.diagnostics import check_underflow
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 
 
-def _rand(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
-
-
-def _eq(a, b):
-  assert np.dtype(a.dtype) == np.dtype(b.dtype), (a.dtype, b.dtype)
-  np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def _mm16(x, w):
-  """The float16 matmul autocast runs for ``x @ w``."""
-  return x.astype(F16) @ w.astype(F16)
-
-
 # -- the kinds -----------------------------------------------------------------------
-
-
-def test_sort_keeps_each_operand_in_its_own_dtype():
-  # sort is independent: its operands are separate arrays, not promoted together.
-  x, w, y = _rand(0, (4, 8)), _rand(1, (8, 8)), _rand(2, (4, 8))
-  keys, vals = jls.autocast(lambda x, w, y: lax.sort((x @ w, y), num_keys=1))(x, w, y)
-  ref_keys, ref_vals = lax.sort((_mm16(x, w), y), num_keys=1)
-  _eq(keys, ref_keys)  # float16
-  _eq(vals, ref_vals)  # float32, permuted by the float16 keys
 
 
 def test_a_policy_entry_by_name_for_a_primitive_without_an_exported_object_takes_effect():
@@ -110,14 +90,6 @@ def test_a_row_gathered_from_a_parameter_table_is_not_a_bias():
   tokens = jnp.array([[0, 4, 2], [1, 1, 3]], jnp.int32)
   out = jls.autocast(lambda x, w, t, tok: x @ w + t[tok])(x, w, table, tokens)
   _eq(out, _mm16(x, w).astype(F32) + table[tokens])
-
-
-def test_a_scatter_into_a_matmul_output_keeps_it_the_ops_output():
-  # h.at[0].set(0.0) is h with a row of zeros: the bias added to it is still part of the
-  # matmul (float16).
-  x, w, b = _rand(0, (4, 8)), _rand(1, (8, 8)), _rand(2, (8,))
-  out = jls.autocast(lambda x, w, b: (x @ w).at[0].set(0.0) + b)(x, w, b)
-  _eq(out, _mm16(x, w).at[0].set(0.0) + b.astype(F16))
 
 
 # -- conversions -----------------------------------------------------------------------

@@ -133,32 +133,6 @@ def test_every_rule_holds_through_every_higher_order_primitive(rule, hop):
   )
 
 
-@pytest.mark.parametrize(
-  "scatter",
-  [
-    lambda h, i: h.at[i].max(0.0),
-    lambda h, i: h.at[i].min(0.0),
-    lambda h, i: h.at[i].multiply(2.0),
-    lambda h, i: h.at[i].subtract(1.0),
-    lambda h, i: h.at[i].add(1.0),
-    lambda h, i: h.at[i].set(0.0),
-    lambda h, i: jax.ops.segment_max(h, jnp.array([0, 0]), num_segments=2),
-    lambda h, i: jax.ops.segment_min(h, jnp.array([1, 0]), num_segments=2),
-    lambda h, i: jax.ops.segment_prod(h, jnp.array([0, 0]), num_segments=2),
-    lambda h, i: jax.ops.segment_sum(h, jnp.array([1, 1]), num_segments=3),
-  ],
-)
-def test_scatters_and_segment_ops_keep_a_float16_operand_float16(scatter):
-  # GNN message passing: the messages are a float16 matmul's output. torch's scatter,
-  # scatter_reduce and index ops run in their input's dtype.
-  i = jnp.array([1, 0], dtype=jnp.int32)
-  f = lambda x, w, i: scatter(x @ w, i)
-  out = jax.jit(jls.autocast(f))(X, W, i)
-  assert out.dtype == F16
-  h = X.astype(F16) @ W.astype(F16)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(scatter(h, i)))
-
-
 def test_a_rebound_jit_keeps_donation_layouts_and_compiler_options():
   inner = jax.jit(lambda x, w, b: x @ w + b, donate_argnums=(0,), keep_unused=True)
   f = lambda x, w, b: inner(x * 1.0, w, b)
