@@ -256,11 +256,14 @@ def run_tests(copy: str, tests: tuple[str, ...], timeout: float) -> tuple[int, s
   dt = time.perf_counter() - t0
   lines = text.strip().splitlines()
   failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
-  if rc in _BAD_SELECTION and any(ln.startswith("ERROR tests/") for ln in failed):
-    # A test module that fails to import (the mutant breaks module-level code)
-    # leaves its node ids unselectable: exit code 4, but a kill, as the same
-    # ids ran on the unmutated code. pytest says 2 for it when given files.
+  conftest = [ln for ln in lines if "while loading conftest" in ln]
+  if rc in _BAD_SELECTION and (conftest or any(ln.startswith("ERROR tests/") for ln in failed)):
+    # A test module, or tests/conftest.py with tests/helpers.py, that fails to import (the
+    # mutant breaks module-level code, such as a helper decorated by autocast_op) leaves its
+    # node ids unselectable: exit code 4, but a kill, as the same ids ran on the unmutated
+    # code. pytest says 2 for it when given files.
     rc = 2
+    failed = failed or conftest
   return rc, "\n".join(failed[:1] + lines[-2:]), dt
 
 
