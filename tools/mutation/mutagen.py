@@ -405,10 +405,41 @@ def sources_hash(root: str, test_files: list[str]) -> str:
   return h.hexdigest()[:16]
 
 
+def _file_hash(root: str, rel: str) -> str:
+  with open(os.path.join(root, rel), "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _support_hash(root: str) -> str:
+  """A hash of what every test runs: the package's modules, conftest and the test helpers."""
+  return sources_hash(root, [])
+
+
+def _earlier_map(cache_dir: str, support: str) -> dict | None:
+  """The newest cached map of the same package and test support, if any."""
+  found = []
+  for name in os.listdir(cache_dir):
+    if name.startswith("coverage-") and name.endswith(".json"):
+      path = os.path.join(cache_dir, name)
+      found.append((os.path.getmtime(path), path))
+  for _, path in sorted(found, reverse=True):
+    with open(path) as f:
+      cov = json.load(f)
+    if cov.get("support") == support and "files" in cov:
+      return cov
+  return None
+
+
 def build_coverage_map(
   copy: str, env: dict[str, str], tests: list[str], cache_dir: str, timeout: float
 ) -> dict:
-  """The line -> tests map of ``tests`` run in ``copy`` (cached in ``cache_dir``)."""
+  """The line -> tests map of ``tests`` run in ``copy`` (cached in ``cache_dir``).
+
+  A map is kept with the hash of each test file it ran. When the package and the test
+  support are those of a cached map and only some test files were added or changed, only
+  those files are run, and their tests replace theirs in that map: a test written for a
+  survivor costs its own run, not the suite's.
+  """
   files = []
   for t in tests:
     path = os.path.join(copy, t)
@@ -416,7 +447,8 @@ def build_coverage_map(
       files += [f"{t.rstrip('/')}/{n}" for n in sorted(os.listdir(path)) if n.startswith("test_")]
     else:
       files.append(t.split("::")[0])
-  key = sources_hash(copy, [f for f in files if f.endswith(".py")])
+  py_files = [f for f in files if f.endswith(".py")]
+  key = sources_hash(copy, py_files)
   os.makedirs(cache_dir, exist_ok=True)
   ignore = os.path.join(cache_dir, ".gitignore")
   if not os.path.exists(ignore):
@@ -426,21 +458,48 @@ def build_coverage_map(
   if os.path.exists(cached):
     with open(cached) as f:
       return json.load(f)
+  support = _support_hash(copy)
+  hashes = {f: _file_hash(copy, f) for f in py_files}
+  earlier = _earlier_map(cache_dir, support)
+  run = list(tests)
+  if earlier is not None:
+    stale = {f for f, h in earlier["files"].items() if hashes.get(f) != h}
+    run = sorted(f for f, h in hashes.items() if earlier["files"].get(f) != h)
   out = os.path.join(copy, ".mutagen-coverage.json")
   env = dict(env, JLS_MUTAGEN_COVERAGE=out)
   # ``-p mutagen`` loads this module as a plugin: it lives in tools/mutation/ of the copy.
   plugin_dir = os.path.join(copy, TOOL_DIR)
   env["PYTHONPATH"] = os.pathsep.join([plugin_dir, env.get("PYTHONPATH", "")])
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mutagen"]
-  cmd += ["-o", "addopts=", *tests]
+  cmd += ["-o", "addopts=", *run]
   t0 = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
-  if not os.path.exists(out):
-    sys.exit(f"mutate: the coverage run wrote nothing:\n{(proc.stdout + proc.stderr)[-3000:]}")
-  with open(out) as f:
-    result = json.load(f)
+  if run:
+    proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    if not os.path.exists(out):
+      sys.exit(f"mutate: the coverage run wrote nothing:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(out) as f:
+      result = json.load(f)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+  else:  # only test files removed
+    result, last = {"lines": {}, "durations": {}, "failed": []}, "no test file to run"
+  if earlier is not None:  # the earlier map less the stale files' tests, with the new ones
+    kept = lambda t: t.split("::")[0] not in stale
+    lines = {
+      mod: {n: [t for t in ts if kept(t)] for n, ts in by_line.items()}
+      for mod, by_line in earlier["lines"].items()
+    }
+    for mod, by_line in result["lines"].items():
+      for n, ts in by_line.items():
+        lines.setdefault(mod, {}).setdefault(n, []).extend(ts)
+    durations = {t: d for t, d in earlier["durations"].items() if kept(t)}
+    durations.update(result["durations"])
+    failed = sorted({t for t in earlier.get("failed", []) if kept(t)} | set(result["failed"]))
+    result = dict(result, lines=lines, durations=durations, failed=failed)
+    result["summary"] = f"{len(run)} test files run again, {len(stale)} replaced: {last}"
+  else:
+    result["summary"] = last
   result["seconds"] = time.perf_counter() - t0
-  result["summary"] = (proc.stdout.strip().splitlines() or [""])[-1]
+  result["support"], result["files"] = support, hashes
   with open(cached, "w") as f:
     json.dump(result, f)
   return result
