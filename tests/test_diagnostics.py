@@ -298,6 +298,9 @@ def test_known_answer_both_ways(param_dtype):
   # Its two float16 matmuls' outputs had no taps: the parameters alone cannot say "no".
   assert fine.not_checked["loss_fn"].tolist() == [1, 2]
   assert fine.verdict().startswith("cannot tell from the parameter gradients alone")
+  assert "; not checked: the gradients of loss_fn's 2 half-precision matmul and convolution " in (
+    fine.verdict()
+  )
   # The same model with a loss ~1e-9 smaller: every gradient flushes to 0
   # without scaling, none with 2**16 ... 2**40.
   tiny = jls.diagnostics.check_underflow(_mlp_loss(1e-9), params, batch, scale=2.0**40)
@@ -463,6 +466,17 @@ def test_flax_perturbations_count_as_activations():
   r = jls.diagnostics.check_underflow(loss_fn, variables, batch)
   assert r.looked_at()["activations"] == ["perturbations/logits"]
   assert r.needs_loss_scaling()
+  assert r.not_checked == {}  # the perturbations are taps: the matmuls are not counted
+
+
+def test_a_half_model_without_matmuls_or_convolutions_has_nothing_unchecked():
+  # Only matmul and convolution outputs go unchecked in a hand-cast model without taps: an
+  # elementwise model's parameter gradients are all there is, and the verdict can say no.
+  w, x = jnp.full((8,), 0.5), jax.random.normal(jax.random.key(0), (4, 8))
+  loss_fn = lambda w, x, dt: jnp.sum(jnp.tanh(x.astype(dt) * w.astype(dt)).astype(jnp.float32))
+  r = jls.diagnostics.check_underflow(loss_fn, w, x)
+  assert r.not_checked == {}
+  assert r.verdict().startswith("does not need loss scaling here"), r.verdict()
 
 
 def test_taps_inside_params_and_as_argument_are_refused():
