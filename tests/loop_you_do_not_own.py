@@ -262,14 +262,17 @@ def no_device_reads():
 
 
 class StandInMetricsLogger:
-  """tunix's ``MetricsLogger``: a history per prefix, mode and name."""
+  """tunix's ``MetricsLogger``: a history per prefix, mode and name (and, for the tests, the
+  order of the writes: ``(name, step)`` each)."""
 
   def __init__(self):
     self.logged = {}
+    self.order = []
 
   def log(self, metrics_prefix, metric_name, scalar_value, mode, step):
     key = (metrics_prefix, str(mode), metric_name)
     self.logged.setdefault(key, []).append((step, scalar_value))
+    self.order.append((metric_name, step))
 
   def get_metric_history(self, metrics_prefix, metric_name, mode):
     return np.stack([v for _, v in self.logged[(metrics_prefix, str(mode), metric_name)]])

@@ -184,9 +184,23 @@ def test_each_field_torch_keeps_is_exported_under_its_key(field):
 def test_each_field_torch_lacks_is_refused_by_a_strict_export_and_dropped_otherwise(field):
   value = DISTINCT[field]
   state = jls.DynamicScaleState.create(**{field: value})
-  with pytest.raises(ValueError, match=re.escape(f"cannot represent {field}={value!r}")):
+  with pytest.raises(ValueError) as e:
     jls.torch.to_torch_state_dict(state)
+  static = " (a static scale)" if field == "dynamic" else ""
+  assert str(e.value) == (
+    f"torch.amp.GradScaler cannot represent {field}={value!r}{static}; pass strict=False to "
+    "drop these settings."
+  )
   assert jls.torch.to_torch_state_dict(state, strict=False) == TORCH_DEFAULTS
+
+
+def test_a_strict_export_names_every_setting_torch_lacks():
+  state = jls.DynamicScaleState.create(**{name: DISTINCT[name] for name in NOT_IN_TORCH})
+  with pytest.raises(ValueError) as e:
+    jls.torch.to_torch_state_dict(state)
+  lost = [f"{name}={DISTINCT[name]!r}" for name in NOT_IN_TORCH]
+  lost = [x + " (a static scale)" if x.startswith("dynamic=") else x for x in lost]
+  assert str(e.value).startswith(f"torch.amp.GradScaler cannot represent {', '.join(lost)}; ")
 
 
 def test_a_round_trip_through_torch_keeps_every_field_it_can():

@@ -30,6 +30,7 @@ import optax
 import pytest
 
 import jax_lossscale as jls
+from jax_lossscale._integrations._flax_migration import checked_scale_state
 from jax_lossscale.flax import TrainState
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -117,6 +118,29 @@ def test_a_deliberate_scale_state_equal_to_another_config_is_kept():
   assert new.replace(dynamic_scale=other).dynamic_scale is other
   same_values = jax.tree.map(jnp.copy, state.dynamic_scale)  # new leaves, the pre-step values
   assert float(new.replace(dynamic_scale=same_values).dynamic_scale.scale) == 32768.0
+
+
+def test_the_old_scale_state_with_a_field_changed_is_kept():
+  """A scale state made from the pre-step one with one field replaced shares its other
+  leaves: a deliberate change, stored as given, not the pre-step state written back."""
+  state = _state()
+  new = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 1.0])})
+  reset = state.dynamic_scale.replace(scale=jnp.float32(8.0))
+  kept = new.replace(dynamic_scale=reset).dynamic_scale
+  assert float(kept.scale) == 8.0  # not the backed-off 32768
+  assert int(kept.skipped_steps) == 0 and int(new.dynamic_scale.skipped_steps) == 1
+
+
+def test_stacked_scale_states_are_compared_entry_for_entry():
+  """Scale states stacked along an axis (one per ensemble member, say): one whose leaves
+  differ from the pre-step ones in any entry is not the pre-step state, and is kept."""
+  one = jls.DynamicScaleState.create()
+  before = jax.tree.map(lambda *xs: jnp.stack(xs), one, one)
+  after = before.replace(scale=before.scale / 2)
+  ds = before.replace(scale=jnp.array([65536.0, 8.0], jnp.float32))
+  assert_bits_equal(checked_scale_state(ds, before, after), ds)
+  written_back = jax.tree.map(jnp.copy, before)
+  np.testing.assert_array_equal(checked_scale_state(written_back, before, after).scale, after.scale)
 
 
 def test_the_scale_to_log_is_the_new_states(maybe_jit):

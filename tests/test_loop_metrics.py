@@ -102,6 +102,70 @@ def test_retries_are_logged():
   assert int(state.consecutive_skips[...]) == 0
 
 
+def test_each_steps_values_are_written_right_after_its_loss():
+  """Step k's values follow the trainer's write of step k's loss, one step late as the loss
+  is; the last step's are written at ``on_train_end``, just before the trainer closes with
+  its last loss."""
+  trainer = StandInTrainer(TinyLM(nnx.Rngs(0)), jls.dynamic_loss_scale(optax.sgd(0.1)))
+  link_loss_scale(trainer.model, trainer.optimizer)
+  log_loss_scale(trainer)
+  trainer.train(batches(3))
+  order = trainer.metrics_logger.order
+  assert sorted(order) == sorted(
+    [("loss", k) for k in (1, 2, 3)]
+    + [(name, k) for name in _shared_metrics.LOGGED for k in (1, 2, 3)]
+  )
+  ours = ("scaler", "scaler", "scaler")
+  assert [name if name == "loss" else "scaler" for name, _ in order] == [
+    "loss",
+    *ours,
+    "loss",
+    *ours,
+    *ours,
+    "loss",
+  ]
+  assert [step for _, step in order] == [1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
+def test_one_copy_of_the_state_per_step(monkeypatch):
+  """The scaler's state is copied once before the first step and once after each step: a
+  hook called again at the same step (``on_train_start``, then ``on_train_step_start``)
+  dispatches no second copy."""
+  copies = []
+
+  def counted(*args):
+    copies.append(len(copies))
+    return snapshot(*args)
+
+  snapshot = _shared_metrics._snapshot
+  monkeypatch.setattr(_shared_metrics, "_snapshot", counted)
+  trainer = StandInTrainer(TinyLM(nnx.Rngs(0)), jls.dynamic_loss_scale(optax.sgd(0.1)))
+  link_loss_scale(trainer.model, trainer.optimizer)
+  log_loss_scale(trainer)
+  trainer.train(batches(3))
+  assert len(copies) == 4
+  assert _steps(trainer, "loss_scale") == [1, 2, 3]
+
+
+def test_accumulation_steps_after_a_skip_log_no_retries():
+  """``multi_steps``: a skipped update leaves ``consecutive_skips`` at 1 through the next
+  micro-batches, whose skip count does not move. They were not retried: 0 is logged, never
+  -1."""
+  tx = jls.multi_steps(jls.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**30), 2)
+  trainer = StandInTrainer(TinyLM(nnx.Rngs(0)), tx)
+  link_loss_scale(trainer.model, trainer.optimizer)
+  log_loss_scale(trainer)
+  after = []
+  with standard_promotion():  # optax.MultiSteps mixes int32 and floats
+    trainer.train(_recorded(trainer, batches(4), after))
+  skips = _history(trainer, "skipped_steps")
+  np.testing.assert_array_equal(skips, [k for _, k in after])
+  assert list(skips) == [0, 1, 1, 2]  # 2**30 overflows: both updates skipped
+  state = jls.get_scale_state(trainer.optimizer.opt_state)
+  assert int(state.consecutive_skips[...]) == 2
+  np.testing.assert_array_equal(_history(trainer, "retries"), np.zeros(4, np.int32))
+
+
 class _Hooks:
   def __init__(self):
     self.calls = []
@@ -127,6 +191,22 @@ def test_the_trainers_own_hooks_keep_running():
     "on_train_step_end",
   ]
   assert list(_history(trainer, "skipped_steps")) == [0, 0]
+  # Evaluation: the trainer's own hooks are called; ours log nothing there.
+  hooks.on_eval_step_start(trainer)
+  hooks.on_eval_step_end(trainer, np.float32(1.0))
+  assert mine.calls[-2:] == ["on_eval_step_start", "on_eval_step_end"]
+
+
+def test_no_hooks_of_the_trainers_own():
+  """Without hooks set before, every hook runs alone, evaluation's included."""
+  trainer = StandInTrainer(TinyLM(nnx.Rngs(0)), jls.dynamic_loss_scale(optax.sgd(0.1)))
+  link_loss_scale(trainer.model, trainer.optimizer)
+  hooks = log_loss_scale(trainer)
+  assert hooks.inner is None
+  trainer.train(batches(2))
+  hooks.on_eval_step_start(trainer)
+  hooks.on_eval_step_end(trainer, np.float32(1.0))
+  assert _steps(trainer, "skipped_steps") == [1, 2]
 
 
 def test_no_device_reads_catches_a_host_read():

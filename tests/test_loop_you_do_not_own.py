@@ -13,6 +13,7 @@ params; the errors; a GRPO-shaped RL update retried at a lower scale instead of 
 ``google-tunix`` is installed (it is not a test dependency: about 50 packages, 0.7 GB).
 """
 
+import collections
 import contextlib
 import inspect
 
@@ -501,6 +502,59 @@ def test_output_dtype_casts_the_logits_only():
   with pytest.raises(TypeError, match="output_dtype casts the logits"):
     cast = install_loss_scale(_DictOut(), output_dtype=jnp.float32)
     cast(jnp.ones(2, jnp.float16))
+
+
+_Out = collections.namedtuple("_Out", ["logits", "ids"])
+
+
+class _Returns(nnx.Module):
+  """A model whose output is ``make(x)``: an array, a tuple, a list or a namedtuple."""
+
+  def __init__(self, make):
+    self.make = make
+
+  def __call__(self, x):
+    return self.make(x)
+
+
+def _ids(x):
+  return jnp.arange(x.size, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize(
+  "make, want",
+  [
+    (lambda x: x, lambda x: x.astype(jnp.float32)),
+    (_ids, _ids),
+    (lambda x: (x, _ids(x)), lambda x: (x.astype(jnp.float32), _ids(x))),
+    (lambda x: [x, _ids(x)], lambda x: [x.astype(jnp.float32), _ids(x)]),
+    (lambda x: _Out(x, _ids(x)), lambda x: _Out(x.astype(jnp.float32), _ids(x))),
+    (lambda x: (_ids(x), x), lambda x: (_ids(x), x)),
+  ],
+  ids=["array", "int-array", "tuple", "list", "namedtuple", "int-first"],
+)
+def test_output_dtype_casts_a_floating_first_output_of_any_shape_of_output(make, want):
+  """The logits are the output itself, or the first element of a tuple, list or namedtuple
+  output (rebuilt as the same type); an integer one is left as it is, like every other
+  element."""
+  x = jnp.array([0.5, -1.0, 65504.0], jnp.float16)
+  got = install_loss_scale(_Returns(make), output_dtype=jnp.float32)(x)
+  expected = want(x)
+  assert type(got) is type(expected)
+  assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+    assert g.dtype == w.dtype
+    np.testing.assert_array_equal(g, w)
+
+
+def test_one_class_per_model_class_and_output_dtype():
+  """Two models of one class linked with one ``output_dtype`` share one class, so graphs
+  and ``jit`` caches see the same class; another ``output_dtype`` is another class."""
+  a = install_loss_scale(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+  b = install_loss_scale(nnx.Linear(2, 1, rngs=nnx.Rngs(1)))
+  c = install_loss_scale(nnx.Linear(2, 1, rngs=nnx.Rngs(2)), output_dtype=jnp.float32)
+  assert type(a) is type(b) and type(a) is not type(c)
+  assert nnx.graphdef(a) == nnx.graphdef(b)
 
 
 class _NoCall(nnx.Module):

@@ -1135,22 +1135,10 @@ EQUIVALENT: dict[str, str] = {
     "with no constants, re-tracing each branch through jaxpr_as_fun gives the same jaxpr (compared, with the HLO names, under nested scopes, jit and checkpoint on jax 0.10 and 0.12)"
   ),
   # session 10: _policy, _primitives, _registrations
-  "_policy:_default_policy:if-false:56b6": (
-    "log2 is a primitive from jax 0.11 only, so on jax 0.10 defined_in is False for it either way; on jax 0.12 tests/autocast/test_policy_through_higher_order.py::test_log2_takes_the_rule_of_the_log_row kills it"
-  ),
   "_policy:nearest:drop-kwarg:cutoff:cbd9": ("0.6 is difflib.get_close_matches' default cutoff"),
   "_policy:nearest:drop-kwarg:n:aaba": ("3 is difflib.get_close_matches' default n"),
-  "_primitives:higher_order.register:drop-kwarg:handled:5efd": (
-    "the extra names that handled=True adds are exactly the declared handlers, which the `or` already checks"
-  ),
-  "_primitives:_all_kinds:if-true:3414": (
-    "as _primitives:higher_order.register:drop-kwarg:handled:5efd: register is the only caller that passes handled=False"
-  ),
   "_registry:_exported:if-false:7962": (
     "no registry name ending in _p (mosaic_gpu_p, reduced_vary_cast_p, vary_unreduced_cast_p) is exported by jax.lax or jax.extend.core.primitives, and a user key such as exp_p fails the prim.name == name check either way"
-  ),
-  "_primitives:kind:if-false:a914": (
-    "the by-object and by-name indexes are disjoint (a name is indexed once, by object if exported, else by name), so a namesake reaches _BY_NAME.get, which returns None anyway"
   ),
   "_registry:by_name:if-true:4088": (
     "stand-ins are only ever looked up by name (kind() through _BY_NAME, the interpreter through the policy by name), never by identity, so a fresh stand-in per call changes nothing"
@@ -1180,9 +1168,6 @@ EQUIVALENT: dict[str, str] = {
     "when the module is None, getattr(None, p, None) and hasattr(None, attr) find nothing, so it still returns None"
   ),
   # session 10: _interpreter
-  "_interpreter:Interpreter.first_order:if-true:951c": (
-    "_user_tap_meets returns None itself when there are no taps, so calling it without taps gives the same None"
-  ),
   "_loops:_scan_with_trailing_xs:if-false:d425": (
     "with m == 0 the jax 0.10 branch appends no linear flags, the same params; on jax 0.12 (ft_in) tests/autocast/test_rules_loops.py::test_a_rebound_scan_keeps_its_parameters kills it (an empty pack nested into the scan's flat tree)"
   ),
@@ -1238,9 +1223,6 @@ EQUIVALENT: dict[str, str] = {
   "_layout:zeros_like:drop-kwarg:keeps_rank:5263": (
     "as _layout:zeros_like:drop-kwarg:follows:1e52"
   ),
-  "_interpreter:Interpreter._keep_lowp:if-false:366d": (
-    "lowp is read only by _bias_target and by cond's output rule, and both check dtype == interp.dtype themselves: a value that kept lowp wrongly is never the half side of a mixed-dtype bias add"
-  ),
   "_promotion:keep_lowp:drop-kwarg:lowp:a1de": (
     "as _interpreter:Interpreter._keep_lowp:if-false:366d"
   ),
@@ -1284,9 +1266,6 @@ EQUIVALENT: dict[str, str] = {
     "with no consts the opened jaxpr has the same invars and equations (constvars empty): an equal copy"
   ),
   # session 10: _taps, _underflow
-  "_taps:Taps.enter:if-true:27e8": (
-    'only scan has a `length` param among the untapped primitives (while, cond, shard_map, custom_jvp_call, custom_vjp_call; checked on jax 0.10.2 and 0.12.0.1), so params.get("length") is None for the others either way'
-  ),
   "_taps:_scopes:if-false:d478": (
     "on every supported JAX the name stack is a NameStack with .stack, so the `stack is None` fallback never runs"
   ),
@@ -1329,6 +1308,9 @@ EQUIVALENT: dict[str, str] = {
   ),
   "_find:find_one:if-false:892f": (
     "a fast path: find_all flattens with is_leaf=is_kind, so a tree that is itself of the kind is its own one leaf and find_one returns it all the same"
+  ),
+  "_shared_metrics:LossScaleHooks._copy:cmp-nonstrict:46e5": (
+    "_copy returns two lines above when step == self._step, so `>=` and `>` see only unequal steps"
   ),
 }
 
@@ -1420,9 +1402,6 @@ PINNED: dict[str, tuple[str, ...]] = {
   "_transform:_loss_scale_transform.update_fn:if-false:e45b": (
     CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
   ),
-  "_state:DynamicScaleState.create:drop-kwarg:dynamic:7c9c": (
-    "tests/test_flax.py::test_create_passes_dynamic_false_to_the_config",
-  ),
   "_transform:_update_dtype:if-false:03b8": (
     CFG + "::test_updates_of_float16_gradients_come_back_in_the_wider_float32_param_dtype",
   ),
@@ -1439,5 +1418,60 @@ PINNED: dict[str, tuple[str, ...]] = {
   ),
   "_signals:check_gradient_dtypes:cmp-negate:6382": (
     CFG + "::test_bfloat16_gradients_warn_once_towards_no_loss_scale",
+  ),
+  # _integrations: the tunix hooks and logits cast (tunix-free tests), Flax migration, torch export
+  "_shared_metrics:_snapshot:no-bound:beb5": (
+    "tests/test_loop_metrics.py::test_accumulation_steps_after_a_skip_log_no_retries",
+  ),
+  "_shared_metrics:LossScaleHooks._copy:if-false:0a30": (
+    "tests/test_loop_metrics.py::test_one_copy_of_the_state_per_step",
+  ),
+  "_shared_metrics:LossScaleHooks._write:cmp-negate:1098": (
+    "tests/test_loop_metrics.py::test_each_steps_values_are_written_right_after_its_loss",
+  ),
+  "_shared_metrics:LossScaleHooks._write:cmp-strict:e20d": (
+    "tests/test_loop_metrics.py::test_each_steps_values_are_written_right_after_its_loss",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_start:cmp-negate:c580": (
+    "tests/test_loop_metrics.py::test_the_trainers_own_hooks_keep_running",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_start:if-false:61c8": (
+    "tests/test_loop_metrics.py::test_the_trainers_own_hooks_keep_running",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_start:if-true:023e": (
+    "tests/test_loop_metrics.py::test_no_hooks_of_the_trainers_own",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_end:cmp-negate:c580": (
+    "tests/test_loop_metrics.py::test_the_trainers_own_hooks_keep_running",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_end:if-false:61c8": (
+    "tests/test_loop_metrics.py::test_the_trainers_own_hooks_keep_running",
+  ),
+  "_shared_metrics:LossScaleHooks.on_eval_step_end:if-true:023e": (
+    "tests/test_loop_metrics.py::test_no_hooks_of_the_trainers_own",
+  ),
+  "_shared_scale:cast_logits:if-false:23f2": (
+    "tests/test_loop_you_do_not_own.py::test_output_dtype_casts_a_floating_first_output_of_any_shape_of_output",
+  ),
+  "_shared_scale:cast_logits:if-true:13c3": (
+    "tests/test_loop_you_do_not_own.py::test_output_dtype_casts_a_floating_first_output_of_any_shape_of_output",
+  ),
+  "_shared_scale:cast_logits:if-true:5c3f": (
+    "tests/test_loop_you_do_not_own.py::test_output_dtype_casts_a_floating_first_output_of_any_shape_of_output",
+  ),
+  "_shared_scale:cast_logits:if-false:f281": (
+    "tests/test_loop_you_do_not_own.py::test_output_dtype_casts_a_floating_first_output_of_any_shape_of_output",
+  ),
+  "_shared_scale:_scaled_class:if-true:9079": (
+    "tests/test_loop_you_do_not_own.py::test_one_class_per_model_class_and_output_dtype",
+  ),
+  "_flax_migration:_same_leaves:reduce:all->any:ebf5": (
+    "tests/test_flax_migration.py::test_the_old_scale_state_with_a_field_changed_is_kept",
+  ),
+  "_flax_migration:checked_scale_state:reduce:all->any:801b#2": (
+    "tests/test_flax_migration.py::test_stacked_scale_states_are_compared_entry_for_entry",
+  ),
+  "_torch_interop:to_torch_state_dict:if-true:c9c2": (
+    "tests/test_config_fields.py::test_each_field_torch_lacks_is_refused_by_a_strict_export_and_dropped_otherwise",
   ),
 }
